@@ -1,0 +1,14 @@
+"""fuser: fused Triton kernels for the memory-bound blocks of any language model, found by graph pattern.
+
+model = fuser.optimize(model)                   # or torch.compile(model, backend="fuser")
+print(fuser.explain(model, input_ids=ids, labels=ids))
+"""
+
+from fuser.backend import FuserError, backend, optimize
+from fuser.config import FuserConfig
+from fuser.kernels.rms_norm import rms_norm
+from fuser.report import Report, explain
+
+__version__ = "0.1.0"
+
+__all__ = ["FuserConfig", "FuserError", "Report", "backend", "explain", "optimize", "rms_norm", "__version__"]

@@ -1,0 +1,1 @@
+"""The pattern engine: canonical view, structural matcher, two-phase rewrite."""

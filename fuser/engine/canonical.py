@@ -1,0 +1,233 @@
+"""One spelling per computation, for matching only.
+
+Dynamo graphs spell one computation many ways: ``x.pow(2)`` (call_method), ``torch.pow(x, 2)``, ``x ** 2``
+(``operator.pow``); ``x.float()``, ``x.to(torch.float32)``, ``x.type_as(y)``; ``mean(x, -1, keepdim=True)`` or
+``x.mean(dim=(-1,), keepdim=True)``. :func:`canonical` reads a node as ``Canon(op, args)`` with one op name and
+positional, normalised arguments. It never changes the graph: code nothing matched keeps its exact ops.
+
+Operand order of commutative ops and the skipping of no-op casts are handled by the matcher
+(:mod:`fuser.engine.match`), which tries both orders and looks through casts to the dtype a value already has.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+Node = torch.fx.Node
+
+COMMUTATIVE = frozenset({"add", "mul"})
+
+
+@dataclass(frozen=True)
+class Canon:
+    op: str
+    args: tuple[Any, ...]
+
+
+def _fn_names(*pairs: tuple[Any, str]) -> dict[Any, str]:
+    return {fn: name for fn, name in pairs}
+
+
+_FUNCTIONS = _fn_names(
+    (operator.mul, "mul"),
+    (torch.mul, "mul"),
+    (torch.multiply, "mul"),
+    (operator.add, "add"),
+    (torch.add, "add"),
+    (operator.sub, "sub"),
+    (torch.sub, "sub"),
+    (operator.truediv, "div"),
+    (torch.div, "div"),
+    (torch.true_divide, "div"),
+    (operator.neg, "neg"),
+    (torch.neg, "neg"),
+    (torch.rsqrt, "rsqrt"),
+    (torch.sqrt, "sqrt"),
+    (operator.pow, "pow"),
+    (torch.pow, "pow"),
+    (torch.square, "square"),
+    (torch.mean, "mean"),
+    (torch.sum, "sum"),
+    (torch.nn.functional.rms_norm, "rms_norm"),
+)
+_METHODS = {
+    "mul": "mul",
+    "multiply": "mul",
+    "add": "add",
+    "sub": "sub",
+    "div": "div",
+    "true_divide": "div",
+    "neg": "neg",
+    "rsqrt": "rsqrt",
+    "sqrt": "sqrt",
+    "pow": "pow",
+    "square": "square",
+    "mean": "mean",
+    "sum": "sum",
+}
+_DTYPE_METHODS = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+}
+
+
+def meta_value(value: Any) -> Any:
+    """The example value Dynamo recorded for a node (a fake tensor, a SymInt, …), or the value itself."""
+    if isinstance(value, Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
+
+
+def tensor_meta(value: Any) -> torch.Tensor | None:
+    v = meta_value(value)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(value: Any) -> torch.dtype | None:
+    t = tensor_meta(value)
+    return t.dtype if t is not None else None
+
+
+def _normalise_dims(dims: Any, ndim: int) -> tuple[int, ...] | None:
+    if dims is None:
+        return None
+    if isinstance(dims, int):
+        dims = (dims,)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return tuple(sorted(d - ndim if d >= 0 else d for d in dims))
+
+
+def _reduction(node: Node, op: str) -> Canon | None:
+    args, kwargs = list(node.args), dict(node.kwargs)
+    names = ["input", "dim", "keepdim"]
+    bound = dict(zip(names, args))
+    if len(args) > 3 or set(kwargs) - {"dim", "keepdim", "dtype", "axis"}:
+        return None
+    bound.update({("dim" if k == "axis" else k): v for k, v in kwargs.items()})
+    if bound.get("dtype") is not None:
+        return None
+    x = bound.get("input")
+    t = tensor_meta(x)
+    if t is None:
+        return None
+    dims = _normalise_dims(bound.get("dim"), t.dim())
+    return Canon(op, (x, dims, bool(bound.get("keepdim", False))))
+
+
+def _cast(node: Node) -> Canon | None:
+    """``x.to(dtype)`` in any of its spellings, when it changes nothing but the dtype."""
+    if node.op != "call_method" or not node.args:
+        return None
+    x, rest, kwargs = node.args[0], node.args[1:], dict(node.kwargs)
+    xt = tensor_meta(x)
+    if xt is None:
+        return None
+    name = node.target
+    if name in _DTYPE_METHODS and not rest and not kwargs:
+        return Canon("to", (x, _DTYPE_METHODS[name]))
+    if name == "type_as" and len(rest) == 1 and not kwargs:
+        other = dtype_of(rest[0])
+        return Canon("to", (x, other)) if other is not None else None
+    if name == "type" and len(rest) == 1 and isinstance(rest[0], torch.dtype) and not kwargs:
+        return Canon("to", (x, rest[0]))
+    if name != "to":
+        return None
+    kwargs.pop("non_blocking", None)
+    if kwargs.pop("copy", False):
+        return None
+    dtype = kwargs.pop("dtype", None)
+    device = kwargs.pop("device", None)
+    if kwargs:
+        return None
+    for a in rest:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (torch.device, str)):
+            device = a
+        elif isinstance(a, Node) and tensor_meta(a) is not None:
+            dtype, device = tensor_meta(a).dtype, tensor_meta(a).device
+        else:
+            return None
+    if device is not None and torch.device(device).type != xt.device.type:
+        return None
+    out = tensor_meta(node)
+    if out is None or out.device != xt.device:
+        return None
+    return Canon("to", (x, dtype if dtype is not None else xt.dtype))
+
+
+def canonical(node: Any) -> Canon | None:
+    """Read ``node`` as one canonical op, or ``None`` when it is nothing the patterns know."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "call_method":
+        cast = _cast(node)
+        if cast is not None:
+            return cast
+        op = _METHODS.get(node.target)
+    elif node.op == "call_function":
+        op = _FUNCTIONS.get(node.target)
+    else:
+        return None
+    if op is None:
+        return None
+    if op in ("mean", "sum"):
+        return _reduction(node, op)
+    kwargs = dict(node.kwargs)
+    if op == "rms_norm":
+        names = ["input", "normalized_shape", "weight", "eps"]
+        bound = dict(zip(names, node.args))
+        bound.update(kwargs)
+        return Canon(op, tuple(bound.get(n) for n in names))
+    if op in ("add", "sub") and kwargs.pop("alpha", 1) != 1:
+        return None
+    if op == "div" and kwargs.pop("rounding_mode", None) is not None:
+        return None
+    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in node.args):
+        return None
+    # a tensor op needs at least one tensor operand: `operator.mul` on two ints is shape arithmetic
+    if not any(tensor_meta(a) is not None for a in node.args):
+        return None
+    if op == "square":
+        return Canon("pow", (node.args[0], 2))
+    return Canon(op, tuple(node.args))
+
+
+def is_noop_cast(node: Any) -> bool:
+    c = canonical(node)
+    return c is not None and c.op == "to" and dtype_of(c.args[0]) == c.args[1]
+
+
+def strip_exact_upcast(value: Any) -> Any:
+    """``x.float()`` of an fp16/bf16/fp32 ``x`` is ``x``, exactly: look through such casts."""
+    while True:
+        c = canonical(value)
+        if c is None or c.op != "to" or c.args[1] != torch.float32:
+            return value
+        if dtype_of(c.args[0]) not in (torch.float16, torch.bfloat16, torch.float32):
+            return value
+        value = c.args[0]
+
+
+def source_line(node: Node) -> str:
+    """``file:line  code`` of the user code that produced ``node``, from Dynamo's stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i].strip()
+        if ln.startswith("File "):
+            parts = ln.split(",")
+            path = parts[0][len("File ") :].strip('"')
+            lineno = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            short = "/".join(path.split("/")[-2:])
+            return f"{short}:{lineno}  {code}"
+    return node.name

@@ -1,0 +1,185 @@
+"""Find the blocks in a Dynamo graph and replace each with one fused-op call.
+
+Two phases, so ``fuser.explain`` can run the first alone:
+
+1. :func:`find_matches` walks every graph (the root and the nested subgraphs of higher-order ops such as
+   activation checkpointing) from the last node to the first, so the outermost spelling of a block is tried
+   before its inner parts; each node is claimed by at most one match. A structural match whose interior values
+   are used outside it, or whose ``check`` declines, is recorded as a :class:`NearMiss` with the reason.
+2. :func:`apply_matches` inserts the fused op before each match's root, hands the root's users over to it and
+   erases the interior nodes that are now dead.
+
+:func:`rewrite` does both on a structural copy of the graph module, so a failure half-way leaves the user's
+graph untouched and the backend can compile it unrewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from fuser.engine.canonical import canonical, source_line
+from fuser.engine.match import Found, escaping_use, match_tree
+from fuser.patterns.base import Decline, Pattern, Replacement
+
+log = logging.getLogger("fuser")
+
+Node = torch.fx.Node
+
+
+@dataclass
+class Match:
+    pattern: str
+    variant: str
+    found: Found
+    replacement: Replacement
+    graph_name: str
+
+    @property
+    def where(self) -> str:
+        return source_line(self.found.root)
+
+
+@dataclass
+class NearMiss:
+    pattern: str
+    node: Node
+    reason: str
+    graph_name: str
+
+    @property
+    def where(self) -> str:
+        return source_line(self.node)
+
+
+@dataclass
+class RewriteResult:
+    matches: list[Match] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for m in self.matches:
+            counts[m.pattern] = counts.get(m.pattern, 0) + 1
+        return counts
+
+
+def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+    """``(qualified name, module)`` of the graph module and every graph module nested in it, outermost first."""
+    out = [("", gm)]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            sub = getattr(gm, node.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                out += [(f"{node.target}.{n}".rstrip("."), m) for n, m in subgraph_modules(sub)]
+    return out
+
+
+def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: str, result: RewriteResult) -> None:
+    claimed: set[Node] = set()
+    anchors: list[tuple[Pattern, Node]] = []
+    for node in reversed(graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        canon = canonical(node)
+        for pattern in patterns:
+            if canon is not None and canon.op in pattern.anchors:
+                anchors.append((pattern, node))
+        if node in claimed:
+            continue
+        accepted = _try_patterns(node, patterns, claimed, graph_name, result)
+        if accepted is not None:
+            claimed.update(accepted.found.nodes)
+    covered = {n for m in result.matches if m.graph_name == graph_name for n in m.found.nodes}
+    for pattern, node in anchors:
+        if node not in covered and not any(nm.node is node for nm in result.near_misses):
+            reason = f"`{node.format_node()}` looked like part of {pattern.name} but no variant matched around it"
+            result.near_misses.append(NearMiss(pattern.name, node, reason, graph_name))
+            log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), reason)
+
+
+def _try_patterns(
+    node: Node, patterns: list[Pattern], claimed: set[Node], graph_name: str, result: RewriteResult
+) -> Match | None:
+    for pattern in patterns:
+        for variant in pattern.variants:
+            for found in match_tree(variant.tree, node):
+                if any(n in claimed for n in found.nodes):
+                    continue
+                escape = escaping_use(found)
+                try:
+                    if escape is not None:
+                        inner, user = escape
+                        raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
+                    replacement = pattern.check(found, variant)
+                except Decline as why:
+                    result.near_misses.append(NearMiss(pattern.name, node, str(why), graph_name))
+                    log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
+                    continue
+                match = Match(pattern.name, variant.name, found, replacement, graph_name)
+                result.matches.append(match)
+                log.debug("fuser: %s (%s) at %s", pattern.name, variant.name, match.where)
+                return match
+    return None
+
+
+def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern]) -> RewriteResult:
+    """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing."""
+    result = RewriteResult()
+    for name, module in subgraph_modules(gm):
+        _find_in_graph(module.graph, patterns, name, result)
+    return result
+
+
+def apply_matches(result: RewriteResult) -> None:
+    """Phase 2: replace each match's root by its fused op; erase interior nodes left without users."""
+    for match in result.matches:
+        root = match.found.root
+        graph = root.graph
+        with graph.inserting_before(root):
+            fused = graph.call_function(match.replacement.op, match.replacement.args)
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "example_value", "val"):
+            if key in root.meta:
+                fused.meta[key] = root.meta[key]
+        root.replace_all_uses_with(fused)
+        dead = list(match.found.nodes)
+        while dead:  # erase users before what they use; interior nodes have no users outside the match
+            erasable = [n for n in dead if not n.users]
+            if not erasable:
+                break
+            for node in erasable:
+                graph.erase_node(node)
+                dead.remove(node)
+    for graph in {m.found.root.graph for m in result.matches}:
+        graph.lint()
+
+
+def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule with a copied graph (and copied nested subgraphs) sharing gm's tensors and metadata."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    output_value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    new_output = graph.output(output_value, type_expr=getattr(old_output, "type", None))
+    new_output.meta = dict(old_output.meta)
+    clone = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    clone.meta = dict(getattr(gm, "meta", {}))
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            sub = getattr(gm, node.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                setattr(clone, node.target, clone_graph_module(sub))
+    return clone
+
+
+def rewrite(gm: torch.fx.GraphModule, patterns: list[Pattern]) -> tuple[torch.fx.GraphModule, RewriteResult]:
+    """Match and replace on a copy of ``gm``; ``gm`` itself is never modified."""
+    clone = clone_graph_module(gm)
+    result = find_matches(clone, patterns)
+    if result.matches:
+        apply_matches(result)
+        for _, module in subgraph_modules(clone):
+            module.recompile()
+    return clone, result

@@ -1,0 +1,42 @@
+"""When the fused ops take their Triton path, and the Triton import itself.
+
+CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except
+when ``TRITON_INTERPRET=1`` and ``FUSER_CPU_TRITON=1`` are both set: then the Triton kernels run through
+Triton's interpreter, which is how CI exercises them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: without it every op runs its reference path.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the op on ``t`` should launch its Triton kernels."""
+    if not HAS_TRITON:
+        return False
+    if t.device.type == "cuda":
+        return not interpreting()
+    return t.device.type == "cpu" and interpreting() and os.environ.get("FUSER_CPU_TRITON") == "1"
+
+
+def num_programs_for(t: torch.Tensor) -> int:
+    """A grid size that fills the device: a few programs per SM on a GPU, a handful on the interpreter."""
+    if t.device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count
+    return 4

@@ -1,0 +1,366 @@
+"""RMSNorm as one fused op, forward and backward.
+
+    rstd = 1 / sqrt(mean(x², last dim) + eps)          (fp32, never stored: backward recomputes it)
+    n    = x · rstd                                    (optionally rounded to ``norm_dtype``: Llama's explicit cast)
+    y    = n · (weight + offset)                       (``offset=1`` is Gemma's ``1 + weight``)
+
+Backward, with g = dy · (weight + offset):
+
+    dx      = rstd · (g − n · mean(g · n))
+    dweight = Σ_rows dy · n                           (per-program partial sums, reduced in a second step)
+
+Forward saves only its inputs (x and weight); backward reads x once, recomputes rstd in registers, and writes
+dx. The weight gradient is reduced deterministically: each program owns a fixed set of rows and writes one fp32
+partial row, and the partials are summed by ``torch.sum`` afterwards (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuser.kernels._triton import HAS_TRITON, num_programs_for, tl, triton, use_triton
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Forward in fp32 (fp64 for fp64 inputs); the result in ``out_dtype`` (default: x's dtype)."""
+    compute = _compute_dtype(x)
+    xc = x.to(compute)
+    # compute rstd
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    n = xc * rstd
+    if norm_dtype is not None:
+        n = n.to(norm_dtype).to(compute)
+    y = n if weight is None else n * (weight.to(compute) + offset)
+    return y.to(out_dtype or x.dtype)
+
+
+def rms_norm_reference_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None,
+    compute_dweight: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The hand-written backward (not autograd of the forward): returns (dx, dweight or None)."""
+    compute = _compute_dtype(x)
+    xc = x.to(compute)
+    dyc = dy.to(compute)
+    n_cols = x.shape[-1]
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    n = xc * rstd
+    g = dyc if weight is None else dyc * (weight.to(compute) + offset)
+    dx = rstd * (g - n * ((g * n).sum(-1, keepdim=True) / n_cols))
+    dweight = None
+    if weight is not None and compute_dweight:
+        n_w = n if norm_dtype is None else n.to(norm_dtype).to(compute)
+        dweight = (dyc * n_w).reshape(-1, n_cols).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), dweight
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------
+
+_NORM_CAST_CODE = {None: 0, torch.float32: 0, torch.float64: 0, torch.float16: 1, torch.bfloat16: 2}
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_to(v, NORM_CAST: tl.constexpr):
+        # reproduce an explicit `.to(norm_dtype)` between the normalisation and the weight multiply
+        if NORM_CAST == 1:
+            v = v.to(tl.float16).to(tl.float32)
+        elif NORM_CAST == 2:
+            v = v.to(tl.bfloat16).to(tl.float32)
+        return v
+
+    @triton.jit
+    def rms_norm_fwd_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        x_row_stride,
+        y_row_stride,
+        n_rows,
+        n_cols,
+        eps,
+        offset,
+        HAS_WEIGHT: tl.constexpr,
+        NORM_CAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        row_mask = rows < n_rows
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # compute rstd
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
+        n = _round_to(x * rstd[:, None], NORM_CAST)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # [BLOCK_N]
+            n = n * w[None, :]
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], n.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rms_norm_bwd_kernel(
+        dy_ptr,
+        x_ptr,
+        w_ptr,
+        dx_ptr,
+        dw_partial_ptr,
+        dy_row_stride,
+        x_row_stride,
+        dx_row_stride,
+        n_rows,
+        n_cols,
+        n_programs,
+        tiles_per_program,
+        eps,
+        offset,
+        HAS_WEIGHT: tl.constexpr,
+        COMPUTE_DW: tl.constexpr,
+        NORM_CAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # [BLOCK_N]
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # each program walks a fixed set of row tiles, so the partial sums do not depend on scheduling
+        for i in range(0, tiles_per_program):
+            rows = (pid + i * n_programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # recompute rstd and the normalised rows
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
+            n = x * rstd[:, None]
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
+            tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += tl.sum(dy * _round_to(n, NORM_CAST), axis=0)
+        if COMPUTE_DW:
+            tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
+
+
+_MAX_BLOCK_N = 65536
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``[rows, n_cols]`` view with unit column stride, copying only when no such view exists."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def _launch_config(n_cols: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(64, 4096 // block_n))
+    num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
+    return block_m, block_n, num_warps
+
+
+def triton_supports(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.shape[-1] <= _MAX_BLOCK_N
+
+
+def rms_norm_forward_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN."""
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    weight = weight.contiguous() if weight is not None else None
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    y2 = out.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    block_m, block_n, num_warps = _launch_config(n_cols)
+    grid = (triton.cdiv(n_rows, block_m),)
+    if n_rows > 0:
+        rms_norm_fwd_kernel[grid](
+            x2,
+            weight if weight is not None else x2,
+            y2,
+            x2.stride(0),
+            y2.stride(0),
+            n_rows,
+            n_cols,
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
+    return out
+
+
+def rms_norm_backward_triton(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None,
+    compute_dweight: bool = True,
+    dx_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    weight = weight.contiguous() if weight is not None else None
+    dy2 = _as_rows(dy)
+    dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx2 = dx.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    block_m, block_n, num_warps = _launch_config(n_cols)
+    n_programs = max(1, min(num_programs_for(x), triton.cdiv(n_rows, block_m)))
+    compute_dw = weight is not None and compute_dweight
+    dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+    if n_rows > 0:
+        rms_norm_bwd_kernel[(n_programs,)](
+            dy2,
+            x2,
+            weight if weight is not None else x2,
+            dx2,
+            dw_partial,
+            dy2.stride(0),
+            x2.stride(0),
+            dx2.stride(0),
+            n_rows,
+            n_cols,
+            n_programs,
+            triton.cdiv(triton.cdiv(n_rows, block_m), n_programs),
+            eps,
+            offset,
+            HAS_WEIGHT=weight is not None,
+            COMPUTE_DW=compute_dw,
+            NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
+    elif compute_dw:
+        dw_partial.zero_()
+    dweight = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    return dx, dweight
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom ops and their autograd
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::rms_norm", mutates_args=())
+def rms_norm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    norm_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    if use_triton(x) and triton_supports(x):
+        return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype)
+    return rms_norm_reference_forward(x, weight, eps, offset, norm_dtype, out_dtype).contiguous()
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset, norm_dtype, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.custom_op("fuser::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    norm_dtype: torch.dtype | None,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x) and triton_supports(x):
+        dx, dw = rms_norm_backward_triton(dy, x, weight, eps, offset, norm_dtype, compute_dweight)
+    else:
+        dx, dw = rms_norm_reference_backward(dy, x, weight, eps, offset, norm_dtype, compute_dweight)
+        dx = dx.contiguous()
+    # custom ops cannot return None: an empty tensor stands for "no weight gradient"
+    return dx, dw if dw is not None else x.new_empty(0)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, eps, offset, norm_dtype, compute_dweight):
+    has_dw = weight is not None and compute_dweight
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, offset, norm_dtype, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.offset, ctx.norm_dtype = eps, offset, norm_dtype
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    compute_dweight = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fuser.rms_norm_backward(dy, x, weight, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight)
+    return dx, (dw if compute_dweight else None), None, None, None, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    *,
+    norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Fused RMSNorm over the last dimension, with autograd.
+
+    ``offset=1.0`` gives Gemma's ``1 + weight``; ``norm_dtype`` rounds the normalised value before the weight
+    multiply (Llama casts to the input dtype there); the result has ``out_dtype`` (default: ``x.dtype``).
+    Statistics are computed in fp32 whatever the input dtype.
+    """
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
+        raise ValueError(
+            f"fuser: rms_norm expects a 1-D weight of size {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}"
+        )
+    return torch.ops.fuser.rms_norm(x, weight, float(eps), float(offset), norm_dtype, out_dtype)

@@ -1,0 +1,46 @@
+"""What a pattern is: named variants (pattern trees), checks on a match, and the fused op it becomes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from fuser.engine.match import Found
+
+Node = torch.fx.Node
+
+
+class Decline(Exception):
+    """Raised by a pattern's ``check`` when a structural match is not safe to replace; the text says why."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # which models write it this way, e.g. "llama"
+    tree: Any
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One call to a fused op that takes the place of ``root``."""
+
+    op: Any  # an OpOverload, e.g. torch.ops.fuser.rms_norm.default
+    args: tuple[Any, ...]
+
+
+@dataclass
+class Pattern:
+    """A block that fuser recognises.
+
+    ``anchors`` names canonical ops that almost always belong to this block (``rsqrt`` for RMSNorm): an anchor
+    node that no accepted match covers is reported as a near-miss in ``fuser.explain``.
+    ``check(found, variant)`` returns the ``Replacement`` or raises ``Decline`` with a reason.
+    """
+
+    name: str
+    variants: list[Variant]
+    check: Callable[[Found, Variant], Replacement]
+    anchors: frozenset[str] = field(default_factory=frozenset)

@@ -1,0 +1,105 @@
+"""RMSNorm, as the models write it.
+
+Every variant normalises ``h`` (the input, or its fp32 upcast) by ``rsqrt(mean(h²) + eps)`` over the last dim
+and optionally multiplies by a weight. What differs is where the casts are and how the weight enters:
+
+    Llama       w * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(in_dtype)
+    OLMo-2      (w * (h * rsqrt(...))).to(in_dtype)              weight multiplied in fp32, then the cast
+    Gemma       ((h * rsqrt(...)) * (1 + w.float())).type_as(x)  offset 1, all fp32
+    Gemma-3n    h * pow(mean(h²) + eps, -0.5)
+    Dory        sum(h², -1, keepdim=True) / d instead of the mean
+    nanochat    no weight at all
+    torch       F.rms_norm / nn.RMSNorm
+
+The fused op reproduces the explicit cast between the normalisation and the weight multiply (``norm_dtype``)
+and returns the root node's dtype, read from the graph's metadata (so autocast's dtypes are kept).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
+from fuser.engine.canonical import strip_exact_upcast, tensor_meta
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
+from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+h = V("h")
+eps = S("eps")
+
+mean_square = OneOf(
+    Op("mean", Op("pow", h, 2), (-1,), True),  # Llama: h.pow(2).mean(-1, keepdim=True)
+    Op("mean", Op("mul", h, h), (-1,), True),  # h * h
+    Op("div", Op("sum", Op("pow", h, 2), (-1,), True), S("n_cols")),  # Dory: sum / hidden size
+)
+variance_eps = Op("add", mean_square, eps)
+normed = OneOf(
+    Op("mul", h, Op("rsqrt", variance_eps)),  # Llama and most others
+    Op("mul", h, Op("pow", variance_eps, -0.5)),  # Gemma-3n, Gemma-4: pow(var + eps, -0.5)
+    Op("div", h, Op("sqrt", variance_eps)),  # h / sqrt(var + eps)
+)
+weight = OneOf(
+    Op("add", S("offset"), V("w")),  # Gemma: (1 + w.float())
+    V("w"),
+)
+
+VARIANTS = [
+    # Llama (cast inside), OLMo-2 (cast outside), Gemma (1 + weight); a cast that is a no-op in fp32 is optional
+    Variant("weighted", OptCast(Op("mul", OptCast(normed, "norm_dtype"), weight), "out_cast")),
+    # nanochat, DeepSeek-V4 parts: no weight
+    Variant("no weight", OptCast(normed, "out_cast")),
+    # torch.nn.functional.rms_norm and torch.nn.RMSNorm
+    Variant("F.rms_norm", Op("rms_norm", h, C("normalized_shape"), OneOf(V("w"), None), OneOf(eps, None))),
+]
+
+
+def check_rms_norm(found: Found, variant: Variant) -> Replacement:
+    b = found.bindings
+    x = strip_exact_upcast(b["h"])
+    xt = tensor_meta(x)
+    if xt.dtype not in _FLOATS:
+        raise Decline(f"input dtype {xt.dtype} is not fp16/bf16/fp32 (the fused op computes in fp32)")
+    if xt.dim() == 0:
+        raise Decline("input is a scalar")
+    n_cols = xt.shape[-1]
+    if not isinstance(n_cols, int):
+        raise Decline("hidden size (last dim) is symbolic")
+    if "n_cols" in b and b["n_cols"] != n_cols:
+        raise Decline(f"sum of squares divided by {b['n_cols']}, not by the hidden size {n_cols}")
+    if variant.name == "F.rms_norm" and list(b["normalized_shape"]) != [n_cols]:
+        raise Decline(f"normalized_shape {b['normalized_shape']} is not the last dim alone ([{n_cols}])")
+    eps_value = b.get("eps")
+    if eps_value is None:  # F.rms_norm's default
+        eps_value = torch.finfo(xt.dtype).eps
+    if eps_value < 0:
+        raise Decline(f"eps {eps_value} is negative")
+
+    w = b.get("w")
+    if w is not None:
+        w = strip_exact_upcast(w)
+        wt = tensor_meta(w)
+        if wt.dim() != 1 or wt.shape[0] != n_cols:
+            raise Decline(f"weight of shape {tuple(wt.shape)} does not broadcast over the last dim ({n_cols}) alone")
+        if wt.dtype not in _FLOATS:
+            raise Decline(f"weight dtype {wt.dtype} is not fp16/bf16/fp32")
+
+    out = tensor_meta(found.root)
+    if out.dim() != xt.dim() or out.dtype not in _FLOATS:
+        raise Decline(f"result of rank {out.dim()} and dtype {out.dtype} is not a norm of the input")
+
+    norm_dtype = b.get("norm_dtype")
+    if variant.name == "F.rms_norm" and w is not None:
+        norm_dtype = xt.dtype  # aten's rms_norm casts the normalised value back to the input dtype first
+    if norm_dtype == torch.float64:
+        raise Decline("normalised value is cast to fp64")
+    if norm_dtype == torch.float32:
+        norm_dtype = None
+    return Replacement(
+        torch.ops.fuser.rms_norm.default,
+        (x, w, float(eps_value), float(b.get("offset", 0.0)), norm_dtype, out.dtype),
+    )
+
+
+RMS_NORM = Pattern("rms_norm", VARIANTS, check_rms_norm, anchors=frozenset({"rsqrt", "rms_norm"}))

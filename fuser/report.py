@@ -1,0 +1,64 @@
+"""``fuser.explain``: capture a model's graphs, match the patterns, compile nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fuser.config import FuserConfig
+from fuser.engine.rewrite import Match, NearMiss, find_matches
+from fuser.patterns import PATTERNS
+
+
+@dataclass
+class Report:
+    """What fuser would fuse in a model.
+
+    counts:        pattern name → number of fused ops that would be emitted, summed over all captured graphs.
+    graph_breaks:  number of graph breaks Dynamo took (captured graphs − 1).
+    matches:       every accepted match, with its source line (``.where``).
+    near_misses:   structural matches that were declined, and anchor ops no variant covered, with the reason.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    graph_breaks: int = 0
+    graphs: int = 0
+    matches: list[Match] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
+        lines.append("pattern                variant      where")
+        for m in self.matches:
+            lines.append(f"{m.pattern:<22} {m.variant:<12} {m.where}")
+        if not self.matches:
+            lines.append("(nothing matched)")
+        lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))
+        if self.near_misses:
+            lines.append("declined:")
+            for nm in self.near_misses:
+                lines.append(f"  {nm.pattern:<20} {nm.where}: {nm.reason}")
+        return "\n".join(lines)
+
+
+def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs: Any) -> Report:
+    """Run one forward of ``model(*args, **kwargs)`` under Dynamo (executed eagerly) and match every graph."""
+    config = config or FuserConfig()
+    patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
+    target = getattr(model, "_orig_mod", model)  # what fuser.optimize / torch.compile wrapped
+    report = Report()
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        result = find_matches(gm, patterns)
+        report.graphs += 1
+        report.matches += result.matches
+        report.near_misses += result.near_misses
+        return gm.forward
+
+    torch.compile(target, backend=capture)(*args, **kwargs)
+    for m in report.matches:
+        report.counts[m.pattern] = report.counts.get(m.pattern, 0) + 1
+    report.graph_breaks = max(report.graphs - 1, 0)
+    return report

@@ -1,0 +1,38 @@
+"""Test set-up shared by every tier.
+
+Without a GPU the Triton kernels are tested through Triton's interpreter: ``TRITON_INTERPRET`` must be set
+before Triton is first imported, so it is set here, before anything imports ``fuser``.
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts from a clean Dynamo cache, so compile counts are the test's own."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
