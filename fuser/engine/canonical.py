@@ -108,7 +108,7 @@ def _normalise_dims(dims: Any, ndim: int) -> tuple[int, ...] | None:
 def _reduction(node: Node, op: str) -> Canon | None:
     args, kwargs = list(node.args), dict(node.kwargs)
     names = ["input", "dim", "keepdim"]
-    bound = dict(zip(names, args))
+    bound = dict(zip(names, args, strict=False))
     if len(args) > 3 or set(kwargs) - {"dim", "keepdim", "dtype", "axis"}:
         return None
     bound.update({("dim" if k == "axis" else k): v for k, v in kwargs.items()})
@@ -184,7 +184,7 @@ def canonical(node: Any) -> Canon | None:
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]
-        bound = dict(zip(names, node.args))
+        bound = dict(zip(names, node.args, strict=False))
         bound.update(kwargs)
         return Canon(op, tuple(bound.get(n) for n in names))
     if op in ("add", "sub") and kwargs.pop("alpha", 1) != 1:
