@@ -4,7 +4,7 @@ model = fuser.optimize(model)                   # or torch.compile(model, backen
 print(fuser.explain(model, input_ids=ids, labels=ids))
 """
 
-from fuser.backend import FuserError, backend, optimize
+from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.config import FuserConfig
 from fuser.kernels.rms_norm import rms_norm
 from fuser.report import Report, explain

@@ -33,6 +33,9 @@ def _fresh_dynamo():
     """Each test starts from a clean Dynamo cache, so compile counts are the test's own."""
     import torch._dynamo
 
+    import fuser.dynamo_backend
+
     torch._dynamo.reset()
+    fuser.dynamo_backend._BACKENDS.clear()  # fresh per-config backends, so `.counts` are this test's own
     yield
     torch._dynamo.reset()

@@ -54,6 +54,7 @@ _FUNCTIONS = _fn_names(
     (torch.mean, "mean"),
     (torch.sum, "sum"),
     (torch.nn.functional.rms_norm, "rms_norm"),
+    (torch.rms_norm, "rms_norm"),  # what Dynamo records for F.rms_norm and nn.RMSNorm
 )
 _METHODS = {
     "mul": "mul",

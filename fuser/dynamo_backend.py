@@ -64,7 +64,20 @@ class FuserBackend:
     def __init__(self, config: FuserConfig) -> None:
         self.config = config
         self.patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
-        self.last_result: RewriteResult | None = None
+        self.results: list[RewriteResult] = []  # one per graph compiled through this backend, in order
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Fused ops emitted so far, summed over every graph this backend compiled (graph breaks included)."""
+        counts: dict[str, int] = {}
+        for result in self.results:
+            for name, n in result.counts.items():
+                counts[name] = counts.get(name, 0) + n
+        return counts
+
+    @property
+    def last_result(self) -> RewriteResult | None:
+        return self.results[-1] if self.results else None
 
     def __repr__(self) -> str:
         return f"FuserBackend({self.config!r})"
@@ -97,7 +110,8 @@ class FuserBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         new_gm, result = self.rewrite(gm)
-        self.last_result = result
+        if result is not None:
+            self.results.append(result)
         if new_gm is gm:
             return self.compile_inner(gm, example_inputs)
         try:
@@ -110,7 +124,8 @@ class FuserBackend:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self.last_result = None
+            if result is not None:
+                self.results.remove(result)
             return self.compile_inner(gm, example_inputs)
 
 

@@ -1,0 +1,150 @@
+"""Tier 3: RMSNorm in tiny Hugging Face models — counts, graph/recompile counts, loss and gradients vs eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+from tests.models.tiny import ARCHS, batch, build, expected_norms, grads, rel, with_lora
+
+ARCH_NAMES = list(ARCHS)
+STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("variant", ["plain", "lora", "checkpointing"])
+def test_explain_counts_every_norm(arch, variant):
+    model = build(arch)
+    if variant == "lora":
+        model = with_lora(model)
+    if variant == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    report = fuser.explain(model, **batch())
+    assert report.counts.get("rms_norm", 0) == expected_norms(arch), str(report)
+
+
+def _count_compiles(model_fn, backend, seqs):
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(model_fn, backend=counting)
+    per_seq = []
+    for s in seqs:
+        compiled(**batch(seq=s)).loss.backward()
+        per_seq.append(len(calls))
+    return per_seq
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_and_recompile_counts_equal_eager_backend(arch):
+    seqs = (8, 12, 20)
+    model = build(arch)
+    fuser_counts = _count_compiles(model, fuser.backend(STRICT), seqs)
+    torch._dynamo.reset()
+    eager_counts = _count_compiles(build(arch), torch._dynamo.lookup_backend("eager"), seqs)
+    assert fuser_counts == eager_counts
+    # three sequence lengths in a row: at most one more compile than the first (the dynamic-shape recompile)
+    assert fuser_counts[-1] <= fuser_counts[0] + 1
+    assert fuser.backend(STRICT).last_result.counts["rms_norm"] == expected_norms(arch)
+
+
+def _train_step(model, data, autocast=None):
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = model(**data)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fp32_training_step_equals_eager(arch, lora):
+    model = build(arch)
+    if lora:
+        model = with_lora(model)
+    reference = copy.deepcopy(model)
+    data = batch()
+    loss_ref = _train_step(reference, data)
+    loss = _train_step(fuser.optimize(model, STRICT), data)
+    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms(arch)
+    assert rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(model), grads(reference)
+    assert g.keys() == g_ref.keys() and g
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-4, name
+
+
+def test_fp32_training_step_through_inductor():
+    """The default inner compiler: Inductor compiles the graph around the fused op (CPU: C++ codegen)."""
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    data = batch()
+    loss_ref = _train_step(reference, data)
+    config = fuser.FuserConfig(strict=True)
+    loss = _train_step(fuser.optimize(model, config), data)
+    assert fuser.backend(config).counts["rms_norm"] == expected_norms("llama")
+    assert rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(model), grads(reference)
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-4, name
+
+
+def test_gradient_checkpointing_training_step_equals_eager():
+    model = build("qwen3")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    reference = copy.deepcopy(model)
+    data = batch()
+    loss_ref = _train_step(reference, data)
+    loss = _train_step(fuser.optimize(model, STRICT), data)
+    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms("qwen3")
+    assert rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(model), grads(reference)
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-4, name
+
+
+def _errors_vs_fp64(model_lowp, reference64, data, autocast=None):
+    loss = _train_step(model_lowp, data, autocast)
+    g64 = grads(reference64)
+    g = grads(model_lowp if not hasattr(model_lowp, "_orig_mod") else model_lowp._orig_mod)
+    return rel(loss, reference64._loss), {n: rel(g[n], g64[n]) for n in g64}
+
+
+# bf16 tolerance: bf16 keeps 8 significand bits (eps 7.8e-3), so eager bf16 itself is off from fp64 by roughly
+# 1e-3..1e-2. fuser computes the norms in fp32 and must be no less accurate than eager: its error against the
+# fp64 reference may exceed eager's by at most a factor 1.5 plus half a bf16 eps (rounding of the same values
+# in a different order lands within that).
+BF16_FACTOR, BF16_FLOOR = 1.5, 4e-3
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+def test_low_precision_training_step_no_less_accurate_than_eager(arch, mode):
+    data = batch()
+    base = build(arch)
+    reference64 = copy.deepcopy(base).double()
+    reference64._loss = _train_step(reference64, data)
+    if mode == "bf16":
+        eager, fused, autocast = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16(), None
+    else:  # fp32 weights, bf16 autocast: what HF Trainer(bf16=True) does
+        eager, fused, autocast = copy.deepcopy(base), copy.deepcopy(base), torch.bfloat16
+    eager_loss_err, eager_grad_err = _errors_vs_fp64(eager, reference64, data, autocast)
+    optimized = fuser.optimize(fused, STRICT)
+    fused_loss_err, fused_grad_err = _errors_vs_fp64(optimized, reference64, data, autocast)
+    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms(arch)
+    assert fused_loss_err <= BF16_FACTOR * eager_loss_err + BF16_FLOOR
+    for name, err in eager_grad_err.items():
+        assert fused_grad_err[name] <= BF16_FACTOR * err + BF16_FLOOR, (name, fused_grad_err[name], err)
+    if autocast:  # the same dtypes as eager under autocast: logits and every gradient
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert optimized(**data).logits.dtype == eager(**data).logits.dtype
+        for p_e, p_f in zip(eager.parameters(), fused.parameters(), strict=True):
+            assert p_e.grad.dtype == p_f.grad.dtype

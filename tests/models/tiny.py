@@ -1,0 +1,68 @@
+"""Tiny random-weight Hugging Face causal LMs built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+ARCHS = {
+    # name: (config class, norms per layer)
+    "llama": ("LlamaConfig", 2),
+    "mistral": ("MistralConfig", 2),
+    "qwen3": ("Qwen3Config", 4),
+    "gemma": ("GemmaConfig", 2),
+    "olmo2": ("Olmo2Config", 4),
+}
+N_LAYERS = 2
+VOCAB = 128
+
+
+def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    cls_name, _ = ARCHS[arch]
+    config = getattr(transformers, cls_name)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    # random norm weights, so a kernel that ignored the weight (or its 1 + w offset) would be caught
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if arch == "gemma" else 1.0, 0.2)
+    return model
+
+
+def expected_norms(arch: str) -> int:
+    return ARCHS[arch][1] * N_LAYERS + 1
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(copy.deepcopy(model), config)
+
+
+def batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (bsz, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
