@@ -5,8 +5,14 @@ input dtype before the weight multiply). For hidden in (2048, 4096, 8192) × row
 
 - each implementation's output, dx and dweight are first checked against an fp32-computed reference
   (max of the three relative errors ‖a − b‖/‖b‖; the column says FAIL above 2e-2 and that time is left out);
-- then one forward + backward (fresh random dy, grads reset between runs) is timed with
-  ``triton.testing.do_bench(return_mode="median")``; Inductor's compile is warmed up first and not timed.
+- then one forward + backward (a fresh random dy per shape, grads reset between runs) is timed twice, both with
+  ``triton.testing.do_bench(warmup=25, rep=100, return_mode="median")`` (which flushes L2 before every run):
+  * GPU time: do_bench of the replay of a CUDA graph captured from that forward + backward. This is the kernel
+    comparison: the host's launch cost is out of it (one graph launch), so bytes / time is meaningful;
+  * launched from Python: do_bench of the plain call, as a training step issues it. Up to ~0.5 GB per tensor
+    the host cannot keep up with the GPU (autograd, custom-op dispatch and Triton launch cost ~0.4–1 ms per
+    forward + backward on the H200 machine this was written on), so these times measure Python, not kernels.
+  Warm-up (Inductor's compile, Triton's JIT) happens before either measurement and is not timed.
 
 Bytes counted for fuser's GB/s are the minimum any fused implementation must move: forward reads x and writes y,
 backward reads x and dy and writes dx, i.e. 5 × rows × hidden × 2 bytes (the weight and dweight are negligible).
@@ -143,19 +149,40 @@ def check(forward, weight_param, x, dy, reference) -> float:
     return max(errors)
 
 
-def time_fwd_bwd(forward, weight_param, x, dy) -> float:
-    """Median milliseconds of one forward + backward."""
+def time_fwd_bwd(forward, weight_param, x, dy) -> tuple[float, float]:
+    """Median ms of one forward + backward: (GPU time, via a CUDA graph replay; launched from Python)."""
     import triton.testing
 
     x = x.detach().clone().requires_grad_()
     dy = dy.clone()
+    params = [x, weight_param]
 
     def step():
         forward(x).backward(dy)
 
-    step()  # warm-up: compiles (Inductor, Triton autotuning) happen here, outside the timing
+    def reset_grads():
+        for p in params:
+            p.grad = None
+
+    # warm-up on a side stream, as CUDA-graph capture requires: compiles and Triton JIT happen here, untimed
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            reset_grads()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    return triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[x, weight_param], return_mode="median")
+    launched = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=params, return_mode="median")
+
+    reset_grads()  # grads are None at capture, so every replay writes fresh gradients and nothing accumulates
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gpu = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    reset_grads()
+    del graph
+    return gpu, launched
 
 
 def measure_copy_ceiling() -> float:
@@ -192,8 +219,20 @@ def fmt_err(err: float | None) -> str:
 IMPLS = ("eager", "inductor", "liger", "fuser")
 
 
+def timing_columns(times: dict, err: dict, nbytes: int, ceiling: float) -> list[str]:
+    """The ms of each implementation, then fuser's GB/s, % of the copy ceiling, and fuser / best other."""
+    others = [times[n] for n in ("eager", "inductor", "liger") if times[n] is not None]
+    if times["fuser"] is not None:
+        gbps = nbytes / (times["fuser"] * 1e-3) / 1e9
+        fuser_cols = [f"{gbps:.0f}", f"{gbps / ceiling:.0%}"]
+        ratio = f"{times['fuser'] / min(others):.2f}" if others else "n/a"
+    else:
+        fuser_cols, ratio = ["-", "-"], "-"
+    return [fmt_ms(times[n], err[n]) for n in IMPLS] + fuser_cols + [ratio]
+
+
 def bench_shape(hidden: int, rows: int, fuser_rms_norm, liger_cls) -> tuple[dict, dict]:
-    """Median ms and max relative error per implementation (None: not installed or, for ms, failed the check)."""
+    """Per implementation: (GPU ms, launched ms) and the max relative error (None: not installed or failed)."""
     gen = torch.Generator(device="cuda").manual_seed(hidden * 100003 + rows)
     x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE, generator=gen)
     weight = (1.0 + 0.5 * torch.randn(hidden, device="cuda", generator=gen)).to(DTYPE)
@@ -208,12 +247,14 @@ def bench_shape(hidden: int, rows: int, fuser_rms_norm, liger_cls) -> tuple[dict
     ms, err = {}, {}
     for name in IMPLS:
         if makers[name] is None:
-            ms[name] = err[name] = None
+            ms[name], err[name] = (None, None), None
             continue
         make, extra = makers[name]
         forward, weight_param = make(weight, *extra)
         err[name] = check(forward, weight_param, x, dy, reference)
-        ms[name] = time_fwd_bwd(forward, weight_param, x, dy) if err[name] <= FAIL_ABOVE else None
+        ms[name] = time_fwd_bwd(forward, weight_param, x, dy) if err[name] <= FAIL_ABOVE else (None, None)
+        del forward, weight_param
+        torch.cuda.empty_cache()
     return ms, err
 
 
@@ -234,7 +275,8 @@ def run(args) -> str:
         f"- GPU: {gpu}",
         f"- torch {torch.__version__}, triton {triton.__version__}, liger-kernel {liger_version}",
         "- times: median ms of one forward + backward, `triton.testing.do_bench(warmup=25, rep=100, "
-        'return_mode="median")`, grads reset between runs; Inductor compile excluded',
+        'return_mode="median")` (L2 flushed before each run), grads reset between runs, a random dy per shape; '
+        "compiles excluded. GPU time: do_bench of a CUDA graph replay of the step; launched: of the Python call",
         "- fuser GB/s: 5 × rows × hidden × 2 bytes (fwd reads x, writes y; bwd reads x, dy, writes dx) / time",
     ]
     print("\n".join(header), flush=True)
@@ -246,37 +288,36 @@ def run(args) -> str:
     print(ceiling_line, flush=True)
     header.append(ceiling_line)
 
-    timing_rows, error_rows = [], []
+    gpu_rows, launched_rows, error_rows = [], [], []
     for hidden in HIDDEN_SIZES:
         for rows in ROW_COUNTS:
             ms, err = bench_shape(hidden, rows, fuser_rms_norm, liger_cls)
-            torch.cuda.empty_cache()
             nbytes = 5 * rows * hidden * DTYPE.itemsize
-            others = [ms[n] for n in ("eager", "inductor", "liger") if ms[n] is not None]
-            if ms["fuser"] is not None:
-                gbps = nbytes / (ms["fuser"] * 1e-3) / 1e9
-                fuser_cols = [f"{gbps:.0f}", f"{gbps / ceiling:.0%}"]
-                ratio = f"{ms['fuser'] / min(others):.2f}" if others else "n/a"
-            else:
-                fuser_cols, ratio = ["-", "-"], "-"
-            timing_rows.append([str(hidden), str(rows)] + [fmt_ms(ms[n], err[n]) for n in IMPLS] + fuser_cols + [ratio])
+            for which, table_rows in ((0, gpu_rows), (1, launched_rows)):
+                times = {n: ms[n][which] for n in IMPLS}
+                table_rows.append([str(hidden), str(rows)] + timing_columns(times, err, nbytes, ceiling))
             error_rows.append([str(hidden), str(rows)] + [fmt_err(err[n]) for n in IMPLS])
-            print(" | ".join(timing_rows[-1]), "| max rel err:", " ".join(error_rows[-1][2:]), flush=True)
+            print(
+                f"hidden {hidden} rows {rows} | GPU:",
+                " | ".join(gpu_rows[-1][2:]),
+                "| launched:",
+                " | ".join(launched_rows[-1][2:6]),
+                "| max rel err:",
+                " ".join(error_rows[-1][2:]),
+                flush=True,
+            )
 
-    timing_table = markdown_table(
-        [
-            "hidden",
-            "rows",
-            "eager ms",
-            "inductor ms",
-            "liger ms",
-            "fuser ms",
-            "fuser GB/s",
-            "% of copy ceiling",
-            "fuser / best other",
-        ],
-        timing_rows,
-    )
+    columns = [
+        "hidden",
+        "rows",
+        "eager ms",
+        "inductor ms",
+        "liger ms",
+        "fuser ms",
+        "fuser GB/s",
+        "% of copy ceiling",
+        "fuser / best other",
+    ]
     error_table = markdown_table(
         ["hidden", "rows", "eager", "inductor", "liger", "fuser"],
         error_rows,
@@ -285,11 +326,15 @@ def run(args) -> str:
         header
         + [
             "",
-            "## Time",
+            "## GPU time (CUDA graph replay: kernels only, host launch cost excluded)",
             "",
-            timing_table,
+            markdown_table(columns, gpu_rows),
             "",
             "fuser / best other: fuser's time over the fastest of eager, Inductor and Liger (below 1: fuser faster).",
+            "",
+            "## Launched from Python (host cost included: autograd, op dispatch, kernel launches)",
+            "",
+            markdown_table(columns, launched_rows),
             "",
             f"## Max relative error of (y, dx, dweight) vs an fp32 reference (FAIL above {FAIL_ABOVE:g})",
             "",

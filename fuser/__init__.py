@@ -4,8 +4,8 @@ model = fuser.optimize(model)                   # or torch.compile(model, backen
 print(fuser.explain(model, input_ids=ids, labels=ids))
 """
 
-from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.config import FuserConfig
+from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.kernels.rms_norm import rms_norm
 from fuser.report import Report, explain
 

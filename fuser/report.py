@@ -30,9 +30,10 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
-        lines.append("pattern                variant      where")
+        width = max([len(m.module) for m in self.matches] + [6])
+        lines.append(f"{'pattern':<16} {'variant':<12} {'module':<{width}}  source")
         for m in self.matches:
-            lines.append(f"{m.pattern:<22} {m.variant:<12} {m.where}")
+            lines.append(f"{m.pattern:<16} {m.variant:<12} {m.module:<{width}}  {m.where}")
         if not self.matches:
             lines.append("(nothing matched)")
         lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))

@@ -12,6 +12,7 @@ Operand order of commutative ops and the skipping of no-op casts are handled by 
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +217,19 @@ def strip_exact_upcast(value: Any) -> Any:
         if dtype_of(c.args[0]) not in (torch.float16, torch.bfloat16, torch.float32):
             return value
         value = c.args[0]
+
+
+def module_path(node: Node) -> str:
+    """The submodule that produced ``node`` (``model.layers.0.input_layernorm``), from Dynamo's module stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    # "L['args'][0]._modules['model']._modules['layers']['0']" or "L['self'].model.layers[0]" → "model.layers.0"
+    parts = [p for p in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", path) if p not in ("L", "self", "args", "_modules")]
+    if parts and parts[0] == "0" and "args" in path:
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def source_line(node: Node) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from fuser.engine.canonical import canonical, source_line
+from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import Found, escaping_use, match_tree
 from fuser.patterns.base import Decline, Pattern, Replacement
 
@@ -40,6 +40,10 @@ class Match:
     @property
     def where(self) -> str:
         return source_line(self.found.root)
+
+    @property
+    def module(self) -> str:
+        return module_path(self.found.root)
 
 
 @dataclass

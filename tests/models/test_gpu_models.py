@@ -1,0 +1,51 @@
+"""Tier 3 on the GPU: the Triton kernels inside a compiled tiny model (Inductor), against eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import fuser
+from tests.models.tiny import ARCHS, batch, build, expected_norms, grads, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gpu_fp32_training_step_equals_eager(arch):
+    model = build(arch).cuda()
+    reference = copy.deepcopy(model)
+    data = {k: v.cuda() for k, v in batch(seq=64).items()}
+    reference(**data).loss.backward()
+    loss_ref = reference(**data).loss
+    config = fuser.FuserConfig(strict=True)
+    optimized = fuser.optimize(model, config)
+    optimized(**data).loss.backward()
+    loss = optimized(**data).loss
+    assert fuser.backend(config).counts["rms_norm"] == expected_norms(arch)
+    assert rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(model), grads(reference)
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma", "olmo2"])
+def test_gpu_bf16_training_step_no_less_accurate_than_eager(arch):
+    """bf16 model: fuser's error against an fp64 model must stay within 1.5x eager bf16's (+ half a bf16 eps)."""
+    data = {k: v.cuda() for k, v in batch(seq=64).items()}
+    base = build(arch).cuda()
+    reference64 = copy.deepcopy(base).double()
+    loss64 = reference64(**data).loss
+    loss64.backward()
+    eager, fused = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16()
+    eager_loss = eager(**data).loss
+    eager_loss.backward()
+    config = fuser.FuserConfig(strict=True)
+    fused_loss = fuser.optimize(fused, config)(**data).loss
+    fused_loss.backward()
+    assert fuser.backend(config).counts["rms_norm"] == expected_norms(arch)
+    assert rel(fused_loss, loss64) <= 1.5 * rel(eager_loss, loss64) + 4e-3
+    g64, ge, gf = grads(reference64), grads(eager), grads(fused)
+    for name in g64:
+        assert rel(gf[name], g64[name]) <= 1.5 * rel(ge[name], g64[name]) + 4e-3, name

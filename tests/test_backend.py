@@ -1,0 +1,165 @@
+"""The public API contract: optimize never mutates, backend identity, options by name, fallback, cache key."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fuser
+import fuser.dynamo_backend
+from fuser.patterns import rms_norm as rms_norm_pattern
+from tests.models.tiny import batch, build, rel
+
+AOT = fuser.FuserConfig(inner_compiler="aot_eager")
+
+
+def test_optimize_never_mutates_the_model():
+    model = build("llama")
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    forward = model.forward
+    optimized = fuser.optimize(model, AOT)
+    optimized(**batch()).loss.backward()
+    assert model.forward == forward and "forward" not in model.__dict__
+    assert list(model.state_dict()) == list(before)
+    for k, v in model.state_dict().items():
+        assert v.data_ptr() == before[k][0] and torch.equal(v, before[k][1]), k
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert all(k.startswith("_orig_mod.") for k in optimized.state_dict())
+
+
+def test_save_load_round_trip_through_the_optimized_model(tmp_path):
+    model = build("llama")
+    optimized = fuser.optimize(model, AOT)
+    optimized(**batch())
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    buffer = io.BytesIO()
+    torch.save(optimized.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = fuser.optimize(build("llama", seed=5), AOT)
+    fresh.load_state_dict(torch.load(buffer))
+    for (k, a), (_, b) in zip(optimized.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_backend_is_one_object_per_config():
+    assert fuser.backend() is fuser.backend(fuser.FuserConfig())
+    assert fuser.backend(AOT) is fuser.backend(fuser.FuserConfig(inner_compiler="aot_eager"))
+    assert fuser.backend(AOT) is not fuser.backend()
+
+
+def test_config_rejects_unknown_names():
+    with pytest.raises(ValueError, match="inner_compiler"):
+        fuser.FuserConfig(inner_compiler="tvm")
+    with pytest.raises(ValueError, match="unknown pattern"):
+        fuser.FuserConfig(patterns=("layer_norm",))
+    with pytest.raises(ValueError, match="unknown option"):
+        fuser.FuserConfig.from_options({"stritc": True})
+
+
+def test_disabled_pattern_is_not_applied():
+    model = build("llama")
+    config = fuser.FuserConfig(patterns=(), inner_compiler="aot_eager", strict=True)
+    fuser.optimize(model, config)(**batch())
+    assert fuser.backend(config).counts == {}
+
+
+def test_compile_by_name_with_options_maps_onto_config():
+    model = build("llama")
+    compiled = torch.compile(model, backend="fuser", options={"strict": True, "inner_compiler": "aot_eager"})
+    compiled(**batch())
+    assert fuser.backend(fuser.FuserConfig(strict=True, inner_compiler="aot_eager")).counts == {"rms_norm": 5}
+
+
+def test_compile_by_name_in_a_fresh_process_without_importing_fuser():
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        assert "fuser" not in sys.modules
+        x, w = torch.randn(4, 32), torch.randn(32)
+        def norm(x, w):
+            h = x.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        out = torch.compile(norm, backend="fuser", options={"strict": True, "inner_compiler": "aot_eager"})(x, w)
+        torch.testing.assert_close(out, norm(x, w))
+        fuser = sys.modules["fuser"]
+        print(fuser.backend(fuser.FuserConfig(strict=True, inner_compiler="aot_eager")).counts)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("{'rms_norm': 1}")
+
+
+def _failing_check(found, variant):
+    raise RuntimeError("injected fault")
+
+
+def test_fault_in_rewrite_falls_back_to_the_unrewritten_graph(monkeypatch):
+    monkeypatch.setattr(rms_norm_pattern.RMS_NORM, "check", _failing_check)
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    data = batch()
+    with pytest.warns(RuntimeWarning, match="compiling the unrewritten graph"):
+        out = fuser.optimize(model, AOT)(**data)
+    assert fuser.backend(AOT).counts == {}
+    assert rel(out.loss, reference(**data).loss) <= 1e-6
+
+
+def test_fault_in_rewrite_raises_under_strict(monkeypatch):
+    monkeypatch.setattr(rms_norm_pattern.RMS_NORM, "check", _failing_check)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    with pytest.raises(Exception) as info:
+        fuser.optimize(build("llama"), config)(**batch())
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, fuser.FuserError) for e in chain), chain
+
+
+def test_failure_compiling_the_rewritten_graph_falls_back(monkeypatch):
+    backend = fuser.backend(AOT)
+    original = backend.compile_inner
+
+    def compile_inner(gm, example_inputs):
+        if any(getattr(n.target, "namespace", None) == "fuser" for n in gm.graph.nodes):
+            raise RuntimeError("injected lowering failure")
+        return original(gm, example_inputs)
+
+    monkeypatch.setattr(backend, "compile_inner", compile_inner)
+    model = build("llama")
+    data = batch()
+    with pytest.warns(RuntimeWarning, match="compiling the rewritten graph failed"):
+        out = fuser.optimize(model, AOT)(**data)
+    assert rel(out.loss, copy.deepcopy(model)(**data).loss) <= 1e-6
+    assert backend.counts == {}
+
+
+def test_cache_key_carries_fuser_source_and_config():
+    a = fuser.dynamo_backend._cache_key_pass(fuser.FuserConfig()).uuid()
+    b = fuser.dynamo_backend._cache_key_pass(fuser.FuserConfig(strict=True)).uuid()
+    assert a != b
+    assert fuser.dynamo_backend._SOURCE_DIGEST in repr(a)
+
+
+def test_explain_report_table_names_source_lines():
+    report = fuser.explain(build("llama"), **batch())
+    text = str(report)
+    assert "modeling_llama.py" in text and "rms_norm=5" in text
+    assert report.graph_breaks == 0
+
+
+def test_functional_rms_norm_rejects_a_wrong_weight():
+    with pytest.raises(ValueError, match="1-D weight of size 8"):
+        fuser.rms_norm(torch.randn(2, 8), torch.randn(4))
