@@ -16,6 +16,7 @@ graph untouched and the backend can compile it unrewritten.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -143,11 +144,18 @@ def apply_matches(result: RewriteResult) -> None:
     for match in result.matches:
         root = match.found.root
         graph = root.graph
+        replacement = match.replacement
         with graph.inserting_before(root):
-            fused = graph.call_function(match.replacement.op, match.replacement.args)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "example_value", "val"):
-            if key in root.meta:
-                fused.meta[key] = root.meta[key]
+            call = graph.call_function(replacement.op, replacement.args)
+            fused = call
+            if replacement.output_index is not None:
+                fused = graph.call_function(operator.getitem, (call, replacement.output_index))
+        for node in {call, fused}:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if key in root.meta:
+                    node.meta[key] = root.meta[key]
+        if "example_value" in root.meta:
+            fused.meta["example_value"] = root.meta["example_value"]
         root.replace_all_uses_with(fused)
         dead = list(match.found.nodes)
         while dead:  # erase users before what they use; interior nodes have no users outside the match

@@ -35,8 +35,8 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpreting() and os.environ.get("FUSER_CPU_TRITON") == "1"
 
 
-def num_programs_for(t: torch.Tensor) -> int:
-    """A grid size that fills the device: a few programs per SM on a GPU, a handful on the interpreter."""
+def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:
+    """A persistent grid that fills the device: ``programs_per_sm`` per SM on a GPU, a handful on the interpreter."""
     if t.device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count
+        return programs_per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count
     return 4

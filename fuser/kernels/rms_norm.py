@@ -1,6 +1,6 @@
 """RMSNorm as one fused op, forward and backward.
 
-    rstd = 1 / sqrt(mean(x², last dim) + eps)          (fp32, never stored: backward recomputes it)
+    rstd = 1 / sqrt(mean(x², last dim) + eps)          (fp32, one value per row, saved for backward)
     n    = x · rstd                                    (optionally rounded to ``norm_dtype``: Llama's explicit cast)
     y    = n · (weight + offset)                       (``offset=1`` is Gemma's ``1 + weight``)
 
@@ -9,9 +9,11 @@ Backward, with g = dy · (weight + offset):
     dx      = rstd · (g − n · mean(g · n))
     dweight = Σ_rows dy · n                           (per-program partial sums, reduced in a second step)
 
-Forward saves only its inputs (x and weight); backward reads x once, recomputes rstd in registers, and writes
-dx. The weight gradient is reduced deterministically: each program owns a fixed set of rows and writes one fp32
-partial row, and the partials are summed by ``torch.sum`` afterwards (no atomics).
+Forward saves x, the weight and rstd (4 bytes a row); backward reads x and dy once and writes dx. Loading rstd
+rather than recomputing it took the H200 backward at 8192×32768 bf16 from 0.552 to 0.453 ms (a second row
+reduction per tile costs more than the 128 KB it saves; benchmarks/tune_rms_norm.py). The weight gradient is
+reduced deterministically: each program owns a fixed set of rows and writes one fp32 partial row, and the
+partials are summed by ``torch.sum`` afterwards (no atomics).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from fuser.kernels._triton import HAS_TRITON, num_programs_for, tl, triton, use_
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rstd per row, fp32 (fp64 for fp64 inputs), shape ``x.shape[:-1]``."""
+    xc = x.to(_compute_dtype(x))
+    return torch.rsqrt(xc.pow(2).mean(-1) + eps)
 
 
 def rms_norm_reference_forward(
@@ -57,13 +65,20 @@ def rms_norm_reference_backward(
     offset: float = 0.0,
     norm_dtype: torch.dtype | None = None,
     compute_dweight: bool = True,
+    rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written backward (not autograd of the forward): returns (dx, dweight or None)."""
+    """The hand-written backward (not autograd of the forward): returns (dx, dweight or None).
+
+    ``rstd`` (shape ``x.shape[:-1]``) is the forward's saved statistic; without it, it is recomputed.
+    """
     compute = _compute_dtype(x)
     xc = x.to(compute)
     dyc = dy.to(compute)
     n_cols = x.shape[-1]
-    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if rstd is None:
+        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        rstd = rstd.to(compute).unsqueeze(-1)
     n = xc * rstd
     g = dyc if weight is None else dyc * (weight.to(compute) + offset)
     dx = rstd * (g - n * ((g * n).sum(-1, keepdim=True) / n_cols))
@@ -96,6 +111,7 @@ if HAS_TRITON:
         x_ptr,
         w_ptr,
         y_ptr,
+        rstd_ptr,
         x_row_stride,
         y_row_stride,
         n_rows,
@@ -104,6 +120,7 @@ if HAS_TRITON:
         offset,
         HAS_WEIGHT: tl.constexpr,
         NORM_CAST: tl.constexpr,
+        STORE_RSTD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -115,6 +132,8 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         # compute rstd
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
+        if STORE_RSTD:
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         n = _round_to(x * rstd[:, None], NORM_CAST)
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # [BLOCK_N]
@@ -128,6 +147,7 @@ if HAS_TRITON:
         w_ptr,
         dx_ptr,
         dw_partial_ptr,
+        rstd_ptr,
         dy_row_stride,
         x_row_stride,
         dx_row_stride,
@@ -140,6 +160,7 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr,
         COMPUTE_DW: tl.constexpr,
         NORM_CAST: tl.constexpr,
+        LOAD_RSTD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -155,8 +176,10 @@ if HAS_TRITON:
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            # recompute rstd and the normalised rows
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
+            if LOAD_RSTD:
+                rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)  # [BLOCK_M]
+            else:  # recompute rstd: the row is in registers already
+                rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
             n = x * rstd[:, None]
             if HAS_WEIGHT:
                 g = dy * w[None, :]
@@ -180,10 +203,24 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
+    """Forward: (rows per program, BLOCK_N, warps). Within 3% of the best swept config on the H200."""
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(64, 4096 // block_n))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
     return block_m, block_n, num_warps
+
+
+def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
+    """Backward: (rows per tile, BLOCK_N, warps, programs per SM), from benchmarks/tune_rms_norm.py on the H200.
+
+    Larger tiles and fewer resident programs won: hidden 2048 best at 4 rows × 4 warps × 2 programs/SM,
+    4096 at 4 × 8 × 1, 8192 at 2 × 16 × 1 (25–30% faster than one row × 4 programs/SM).
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(64, (8192 if block_n <= 2048 else 16384) // block_n))
+    num_warps = max(4, min(16, block_n // 512))
+    programs_per_sm = 2 if block_n <= 2048 else 1
+    return block_m, block_n, num_warps, programs_per_sm
 
 
 def triton_supports(x: torch.Tensor) -> bool:
@@ -198,8 +235,10 @@ def rms_norm_forward_triton(
     norm_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN."""
+    """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN;
+    ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd."""
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     weight = weight.contiguous() if weight is not None else None
@@ -214,6 +253,7 @@ def rms_norm_forward_triton(
             x2,
             weight if weight is not None else x2,
             y2,
+            rstd if rstd is not None else y2,
             x2.stride(0),
             y2.stride(0),
             n_rows,
@@ -222,6 +262,7 @@ def rms_norm_forward_triton(
             offset,
             HAS_WEIGHT=weight is not None,
             NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            STORE_RSTD=rstd is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -238,7 +279,9 @@ def rms_norm_backward_triton(
     norm_dtype: torch.dtype | None = None,
     compute_dweight: bool = True,
     dx_out: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernel; ``rstd`` is the forward's (recomputed in the kernel when ``None``)."""
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     weight = weight.contiguous() if weight is not None else None
@@ -246,8 +289,9 @@ def rms_norm_backward_triton(
     dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dx2 = dx.view(-1, n_cols)
     n_rows = x2.shape[0]
-    block_m, block_n, num_warps = _launch_config(n_cols)
-    n_programs = max(1, min(num_programs_for(x), triton.cdiv(n_rows, block_m)))
+    block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
+    n_programs = max(1, min(num_programs_for(x, programs_per_sm), triton.cdiv(n_rows, block_m)))
+    rstd = rstd.reshape(-1).contiguous() if rstd is not None else None
     compute_dw = weight is not None and compute_dweight
     dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     if n_rows > 0:
@@ -257,6 +301,7 @@ def rms_norm_backward_triton(
             weight if weight is not None else x2,
             dx2,
             dw_partial,
+            rstd if rstd is not None else dw_partial,
             dy2.stride(0),
             x2.stride(0),
             dx2.stride(0),
@@ -269,6 +314,7 @@ def rms_norm_backward_triton(
             HAS_WEIGHT=weight is not None,
             COMPUTE_DW=compute_dw,
             NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            LOAD_RSTD=rstd is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -292,15 +338,18 @@ def rms_norm_op(
     offset: float,
     norm_dtype: torch.dtype | None,
     out_dtype: torch.dtype | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y, rstd); rstd (fp32, ``x.shape[:-1]``) is what backward needs besides x and the weight."""
     if use_triton(x) and triton_supports(x):
-        return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype)
-    return rms_norm_reference_forward(x, weight, eps, offset, norm_dtype, out_dtype).contiguous()
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd), rstd
+    y = rms_norm_reference_forward(x, weight, eps, offset, norm_dtype, out_dtype).contiguous()
+    return y, rms_norm_reference_rstd(x, eps).float()
 
 
 @rms_norm_op.register_fake
 def _(x, weight, eps, offset, norm_dtype, out_dtype):
-    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fuser::rms_norm_backward", mutates_args=())
@@ -308,37 +357,44 @@ def rms_norm_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
+    rstd: torch.Tensor,
     eps: float,
     offset: float,
     norm_dtype: torch.dtype | None,
     compute_dweight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and triton_supports(x):
-        dx, dw = rms_norm_backward_triton(dy, x, weight, eps, offset, norm_dtype, compute_dweight)
+        dx, dw = rms_norm_backward_triton(dy, x, weight, eps, offset, norm_dtype, compute_dweight, rstd=rstd)
     else:
-        dx, dw = rms_norm_reference_backward(dy, x, weight, eps, offset, norm_dtype, compute_dweight)
+        dx, dw = rms_norm_reference_backward(dy, x, weight, eps, offset, norm_dtype, compute_dweight, rstd=rstd)
         dx = dx.contiguous()
     # custom ops cannot return None: an empty tensor stands for "no weight gradient"
     return dx, dw if dw is not None else x.new_empty(0)
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, eps, offset, norm_dtype, compute_dweight):
+def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight):
     has_dw = weight is not None and compute_dweight
     return x.new_empty(x.shape), (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, eps, offset, norm_dtype, _ = inputs
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(x, weight, output[1])
     ctx.eps, ctx.offset, ctx.norm_dtype = eps, offset, norm_dtype
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
+def _backward(ctx, dy, _drstd):
+    # rstd is a statistic handed to backward, not a differentiable output: its gradient is ignored
+    x, weight, rstd = ctx.saved_tensors
     compute_dweight = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = torch.ops.fuser.rms_norm_backward(dy, x, weight, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight)
-    return dx, (dw if compute_dweight else None), None, None, None, None
+    if dy is None or not (ctx.needs_input_grad[0] or compute_dweight):
+        return None, None, None, None, None, None
+    dx, dw = torch.ops.fuser.rms_norm_backward(
+        dy, x, weight, rstd, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight
+    )
+    return (dx if ctx.needs_input_grad[0] else None), (dw if compute_dweight else None), None, None, None, None
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -363,4 +419,4 @@ def rms_norm(
         raise ValueError(
             f"fuser: rms_norm expects a 1-D weight of size {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}"
         )
-    return torch.ops.fuser.rms_norm(x, weight, float(eps), float(offset), norm_dtype, out_dtype)
+    return torch.ops.fuser.rms_norm(x, weight, float(eps), float(offset), norm_dtype, out_dtype)[0]

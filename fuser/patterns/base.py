@@ -29,6 +29,7 @@ class Replacement:
 
     op: Any  # an OpOverload, e.g. torch.ops.fuser.rms_norm.default
     args: tuple[Any, ...]
+    output_index: int | None = None  # the op returns a tuple: the block's value is this element
 
 
 @dataclass

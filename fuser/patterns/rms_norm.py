@@ -99,6 +99,7 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
     return Replacement(
         torch.ops.fuser.rms_norm.default,
         (x, w, float(eps_value), float(b.get("offset", 0.0)), norm_dtype, out.dtype),
+        output_index=0,  # (y, rstd)
     )
 
 

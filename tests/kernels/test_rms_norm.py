@@ -297,6 +297,30 @@ def test_triton_backward_without_dweight(offset, gen):
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(37, 65), (2, 9, 300), (3, 1000)], ids=str)
+def test_triton_saved_rstd_path(shape, dtype, gen):
+    """The op's path: forward stores rstd, backward loads it instead of recomputing it."""
+    x, weight, dy = make_inputs(shape, dtype, gen, True)
+    rstd = torch.full(shape[:-1], float("nan"), dtype=torch.float32)
+    y = rms_norm_forward_triton(
+        x, weight, 1e-6, 1.0, None, None, out=torch.full(shape, float("nan"), dtype=dtype), rstd=rstd
+    )
+    rstd64 = torch.rsqrt(fp64(x).pow(2).mean(-1) + 1e-6)
+    assert_close("rstd", rstd, rstd64, TOLERANCE[torch.float32])
+    y64 = rms_norm_reference_forward(fp64(x), fp64(weight), 1e-6, 1.0)
+    assert_close("y", y, y64, TOLERANCE[dtype])
+    dx_out = torch.full(shape, float("nan"), dtype=dtype)
+    dx, dw = rms_norm_backward_triton(dy, x, weight, 1e-6, 1.0, None, True, dx_out=dx_out, rstd=rstd)
+    dx64, dw64 = rms_norm_reference_backward(fp64(dy), fp64(x), fp64(weight), 1e-6, 1.0)
+    assert_close("dx", dx, dx64, TOLERANCE[dtype])
+    assert_close("dweight", dw, dw64, TOLERANCE[dtype])
+    # a wrong rstd must change dx: the kernel really uses the saved statistic
+    dx_wrong, _ = rms_norm_backward_triton(dy, x, weight, 1e-6, 1.0, None, False, rstd=rstd * 2)
+    assert not torch.allclose(dx_wrong.float(), dx.float())
+
+
+@interpreter
 @pytest.mark.parametrize("with_weight", [False, True], ids=["no_weight", "weight"])
 @pytest.mark.parametrize("shape", [(0, 17), (2, 0, 65), (0, 4, 4099)], ids=str)
 def test_triton_zero_rows(shape, with_weight, gen):
@@ -355,9 +379,14 @@ def _call_functional(x, weight, eps, kwargs):
 
 
 def _call_op(x, weight, eps, kwargs):
-    return torch.ops.fuser.rms_norm(
+    y, rstd = torch.ops.fuser.rms_norm(
         x, weight, eps, kwargs.get("offset", 0.0), kwargs.get("norm_dtype"), kwargs.get("out_dtype")
     )
+    # the op's second output is the per-row statistic backward uses
+    rstd64 = torch.rsqrt(fp64(x.detach()).pow(2).mean(-1) + eps)
+    assert rstd.dtype == torch.float32 and rstd.shape == x.shape[:-1]
+    assert_close("rstd", rstd, rstd64, TOLERANCE[torch.float32])
+    return y
 
 
 def check_op_autograd(call, model, shape, gen, x_grad=True, weight_grad=True):
@@ -447,7 +476,8 @@ def test_opcheck_rms_norm(case, gen, reference_path):
 @pytest.mark.parametrize("compute_dweight", [True, False])
 def test_opcheck_rms_norm_backward(compute_dweight, gen, reference_path):
     x, w, dy = make_inputs((3, 5, 65), torch.float32, gen, True)
-    torch.library.opcheck(torch.ops.fuser.rms_norm_backward.default, (dy, x, w, 1e-6, 1.0, None, compute_dweight))
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+    torch.library.opcheck(torch.ops.fuser.rms_norm_backward.default, (dy, x, w, rstd, 1e-6, 1.0, None, compute_dweight))
 
 
 # ---------------------------------------------------------------------------------------------------------
