@@ -36,3 +36,12 @@ def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+def statically_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for ints or SymInts, decided without adding a guard (unknown counts as unequal)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))

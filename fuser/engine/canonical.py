@@ -56,6 +56,12 @@ _FUNCTIONS = _fn_names(
     (torch.sum, "sum"),
     (torch.nn.functional.rms_norm, "rms_norm"),
     (torch.rms_norm, "rms_norm"),  # what Dynamo records for F.rms_norm and nn.RMSNorm
+    (torch.nn.functional.silu, "silu"),
+    (torch.sigmoid, "sigmoid"),
+    (torch.nn.functional.sigmoid, "sigmoid"),
+    (torch.nn.functional.gelu, "gelu"),
+    (torch.chunk, "chunk"),
+    (operator.getitem, "getitem"),
 )
 _METHODS = {
     "mul": "mul",
@@ -71,6 +77,8 @@ _METHODS = {
     "square": "square",
     "mean": "mean",
     "sum": "sum",
+    "sigmoid": "sigmoid",
+    "chunk": "chunk",
 }
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -122,6 +130,39 @@ def _reduction(node: Node, op: str) -> Canon | None:
         return None
     dims = _normalise_dims(bound.get("dim"), t.dim())
     return Canon(op, (x, dims, bool(bound.get("keepdim", False))))
+
+
+def _structural(node: Node, op: str) -> Canon | None:
+    """Activations and the tensor-splitting ops gated MLPs use.
+
+    ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` with ``dim`` negative; ``getitem(t, i)`` only
+    when ``t`` is a node that returns a tuple (chunk or split), never tensor indexing.
+    """
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if op == "silu":
+        if kwargs.pop("inplace", False) or kwargs or len(args) != 1:
+            return None
+        return Canon("silu", (args[0],))
+    if op == "gelu":
+        approximate = kwargs.pop("approximate", args[1] if len(args) > 1 else "none")
+        if kwargs or len(args) > 2:
+            return None
+        return Canon("gelu", (args[0], approximate))
+    if op == "chunk":
+        names = ["input", "chunks", "dim"]
+        bound = dict(zip(names, args, strict=False))
+        bound.update(kwargs)
+        t = tensor_meta(bound.get("input"))
+        if t is None or set(bound) - set(names) or not isinstance(bound.get("chunks"), int):
+            return None
+        dims = _normalise_dims(bound.get("dim", 0), t.dim())
+        return Canon("chunk", (bound["input"], bound["chunks"], dims[0] if dims else None))
+    # getitem
+    if len(args) != 2 or kwargs or not isinstance(args[1], int) or not isinstance(args[0], Node):
+        return None
+    if not isinstance(meta_value(args[0]), (tuple, list)):
+        return None
+    return Canon("getitem", (args[0], args[1]))
 
 
 def _cast(node: Node) -> Canon | None:
@@ -183,6 +224,8 @@ def canonical(node: Any) -> Canon | None:
         return None
     if op in ("mean", "sum"):
         return _reduction(node, op)
+    if op in ("silu", "gelu", "chunk", "getitem"):
+        return _structural(node, op)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

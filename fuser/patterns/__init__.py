@@ -1,8 +1,9 @@
 """The registry of patterns, by name (the keys of ``fuser.explain(...).counts``)."""
 
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.gated_mlp import GEGLU, SWIGLU
 from fuser.patterns.rms_norm import RMS_NORM
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMS_NORM,)}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMS_NORM, SWIGLU, GEGLU)}
 
 __all__ = ["PATTERNS", "Decline", "Pattern", "Replacement", "Variant"]

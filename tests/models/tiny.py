@@ -66,3 +66,45 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# Architectures for the gated-MLP tier: config class, extra config fields, and the fused-op counts per model.
+GATED_ARCHS = {
+    "llama": ("LlamaConfig", {}, {"swiglu": N_LAYERS}),
+    "qwen3": ("Qwen3Config", {}, {"swiglu": N_LAYERS}),
+    "mistral": ("MistralConfig", {}, {"swiglu": N_LAYERS}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}, {"swiglu": N_LAYERS}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, {"swiglu": N_LAYERS}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+        {"swiglu": N_LAYERS},
+    ),
+    "gemma": ("GemmaConfig", {}, {"geglu": N_LAYERS}),
+    # not gated: must fuse no MLP
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": N_LAYERS, "n_head": 4}, {}),
+    "arcee": ("ArceeConfig", {}, {}),  # relu² MLP
+    "starcoder2": ("Starcoder2Config", {}, {}),  # gelu_pytorch_tanh, un-gated
+}
+
+
+def build_any(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    cls_name, extra, _ = GATED_ARCHS[arch]
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    fields.update(extra)
+    torch.manual_seed(seed)
+    config = getattr(transformers, cls_name)(**fields)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def expected_mlp_counts(arch: str) -> dict[str, int]:
+    return dict(GATED_ARCHS[arch][2])

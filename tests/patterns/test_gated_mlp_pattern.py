@@ -1,0 +1,165 @@
+"""Tier 1: the SwiGLU / GeGLU patterns on toy graphs — every variant matches and equals eager; near-misses don't."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+
+I = 24  # intermediate size
+H = 16  # hidden size
+
+
+def _proj(x, w):
+    return F.linear(x, w)
+
+
+# --- variants -----------------------------------------------------------------------------------------------
+
+
+def llama(x, wg, wu, wd):  # Llama: down(silu(gate(x)) * up(x))
+    return _proj(F.silu(_proj(x, wg)) * _proj(x, wu), wd)
+
+
+def up_first(x, wg, wu, wd):  # operands swapped: up(x) * silu(gate(x))
+    return _proj(_proj(x, wu) * F.silu(_proj(x, wg)), wd)
+
+
+def sigmoid_form(x, wg, wu, wd):  # hand-written silu: g * sigmoid(g)
+    g = _proj(x, wg)
+    return _proj(g * torch.sigmoid(g) * _proj(x, wu), wd)
+
+
+def phi3_packed(x, wg, wu, wd):  # Phi-3: one gate_up projection, chunk(2, -1)
+    gate, up = _proj(x, torch.cat([wg, wu])).chunk(2, dim=-1)
+    return _proj(up * F.silu(gate), wd)
+
+
+def lora_sums(x, wg, wu, wd):  # peft LoRA: base + lora_B(lora_A(x)) * s on gate and up
+    a, b = wg[:4].t().contiguous().t(), wu[:, :4]
+    gate = _proj(x, wg) + _proj(_proj(x, a), b) * 0.5
+    up = _proj(x, wu) + _proj(_proj(x, a), b) * 2.0
+    return _proj(F.silu(gate) * up, wd)
+
+
+def gemma_geglu(x, wg, wu, wd):  # Gemma: gelu_pytorch_tanh
+    return _proj(F.gelu(_proj(x, wg), approximate="tanh") * _proj(x, wu), wd)
+
+
+def exact_geglu(x, wg, wu, wd):
+    return _proj(F.gelu(_proj(x, wg)) * _proj(x, wu), wd)
+
+
+VARIANTS = {
+    llama: "swiglu",
+    up_first: "swiglu",
+    sigmoid_form: "swiglu",
+    phi3_packed: "swiglu",
+    lora_sums: "swiglu",
+    gemma_geglu: "geglu",
+    exact_geglu: "geglu",
+}
+
+
+def _inputs(dtype=torch.float32, requires_grad=False):
+    x = torch.randn(2, 5, H, dtype=dtype)
+    ws = [torch.randn(I, H, dtype=dtype) / 4, torch.randn(I, H, dtype=dtype) / 4, torch.randn(H, I, dtype=dtype) / 5]
+    return [t.requires_grad_(requires_grad) for t in (x, *ws)]
+
+
+@pytest.mark.parametrize("fn", list(VARIANTS), ids=lambda f: f.__name__)
+def test_variant_matches_once(fn):
+    report = fuser.explain(fn, *_inputs())
+    assert report.counts == {VARIANTS[fn]: 1}, str(report)
+
+
+@pytest.mark.parametrize("fn", list(VARIANTS), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_variant_forward_and_backward_equal_eager(fn, dtype):
+    inputs = _inputs(dtype, requires_grad=True)
+    ref_inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(*inputs)
+    assert fuser.backend(config).counts == {VARIANTS[fn]: 1}
+    ref = fn(*ref_inputs)
+    # fp32: the same maths up to rounding order; fp16/bf16: a few roundings of the result apart (eager rounds the
+    # activation and the product separately, fuser once), through one more projection
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    dy = torch.randn_like(ref)
+    out.backward(dy)
+    ref.backward(dy)
+    for t, r in zip(inputs, ref_inputs, strict=True):
+        torch.testing.assert_close(t.grad.float(), r.grad.float(), rtol=2 * tol, atol=2 * tol)
+
+
+# --- near-misses --------------------------------------------------------------------------------------------
+
+
+def silu_plus(x, wg, wu, wd):
+    return _proj(F.silu(_proj(x, wg)) + _proj(x, wu), wd)
+
+
+def relu_gated(x, wg, wu, wd):
+    return _proj(F.relu(_proj(x, wg)) * _proj(x, wu), wd)
+
+
+def gelu_new_formula(x, wg, wu, wd):  # GPT-2's gelu_new, as a tanh formula (and gated here on purpose)
+    g = _proj(x, wg)
+    act = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * torch.pow(g, 3.0))))
+    return _proj(act * _proj(x, wu), wd)
+
+
+def activation_used_twice(x, wg, wu, wd):
+    act = F.silu(_proj(x, wg))
+    return _proj(act * _proj(x, wu), wd) + act.sum()
+
+
+def product_used_twice(x, wg, wu, wd):
+    p = F.silu(_proj(x, wg)) * _proj(x, wu)
+    return _proj(p, wd), p.mean()
+
+
+def halves_swapped(x, wg, wu, wd):  # chunk halves used the other way round is still a valid SwiGLU...
+    up, gate = _proj(x, torch.cat([wu, wg])).chunk(2, dim=-1)
+    return _proj(F.silu(gate) * up, wd)
+
+
+NEAR_MISSES = [silu_plus, relu_gated, gelu_new_formula, activation_used_twice, product_used_twice]
+
+
+@pytest.mark.parametrize("fn", NEAR_MISSES, ids=lambda f: f.__name__)
+def test_near_miss_does_not_match(fn):
+    report = fuser.explain(fn, *_inputs())
+    assert {k: v for k, v in report.counts.items() if k in ("swiglu", "geglu")} == {}, str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    inputs = _inputs()
+    out = torch.compile(fn, backend=fuser.backend(config))(*inputs)
+    torch.testing.assert_close(out, fn(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [(activation_used_twice, "also used by"), (product_used_twice, "not only by a projection")],
+    ids=["activation", "product"],
+)
+def test_declines_say_why(fn, reason):
+    report = fuser.explain(fn, *_inputs())
+    assert any(reason in nm.reason for nm in report.near_misses), str(report)
+    assert reason in str(report)
+
+
+def test_second_half_as_gate_is_not_the_packed_form():
+    """``up, gate = chunk`` puts the gate in the *second* half: it is matched as two separate operands (correct
+    either way: the op reads whatever halves it is given), never as the packed form with halves swapped."""
+    report = fuser.explain(halves_swapped, *_inputs())
+    assert report.counts == {"swiglu": 1}, str(report)
+    assert report.matches[0].variant == "separate"
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    inputs = _inputs()
+    out = torch.compile(halves_swapped, backend=fuser.backend(config))(*inputs)
+    torch.testing.assert_close(out, halves_swapped(*inputs), rtol=1e-5, atol=1e-5)
