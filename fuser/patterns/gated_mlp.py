@@ -98,8 +98,10 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     if len({t.dtype for t in tensors.values()} | {out.dtype}) != 1:
         raise Decline(f"gate/up/result dtypes differ ({[str(t.dtype) for t in tensors.values()]} → {out.dtype})")
     shapes = [tuple(t.shape) for t in tensors.values()]
-    if not all(len(s) == len(shapes[0]) and all(statically_equal(a, c) for a, c in zip(s, shapes[0])) for s in shapes):
-        raise Decline(f"gate/up shapes differ: {shapes}")
+    first = shapes[0]
+    for shape in shapes[1:]:
+        if len(shape) != len(first) or not all(statically_equal(a, c) for a, c in zip(shape, first, strict=True)):
+            raise Decline(f"gate/up shapes differ: {shapes}")
     if not isinstance(shapes[0][-1], int):
         raise Decline("intermediate size (last dim) is symbolic")
     if variant.name == "packed":
@@ -128,6 +130,4 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
 SWIGLU = Pattern(
     "swiglu", _variants(_silu), lambda found, variant: _check(found, variant, "silu"), anchors=frozenset({"silu"})
 )
-GEGLU = Pattern(
-    "geglu", _variants(_gelu), lambda found, variant: _check(found, variant, "gelu"), anchors=frozenset()
-)
+GEGLU = Pattern("geglu", _variants(_gelu), lambda found, variant: _check(found, variant, "gelu"), anchors=frozenset())

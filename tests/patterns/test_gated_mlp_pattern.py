@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fuser
 
-I = 24  # intermediate size
+INTER = 24  # intermediate size
 H = 16  # hidden size
 
 
@@ -67,7 +67,8 @@ VARIANTS = {
 
 def _inputs(dtype=torch.float32, requires_grad=False):
     x = torch.randn(2, 5, H, dtype=dtype)
-    ws = [torch.randn(I, H, dtype=dtype) / 4, torch.randn(I, H, dtype=dtype) / 4, torch.randn(H, I, dtype=dtype) / 5]
+    ws = [torch.randn(INTER, H, dtype=dtype) / 4, torch.randn(INTER, H, dtype=dtype) / 4]
+    ws.append(torch.randn(H, INTER, dtype=dtype) / 5)
     return [t.requires_grad_(requires_grad) for t in (x, *ws)]
 
 
