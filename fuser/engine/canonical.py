@@ -269,7 +269,8 @@ def module_path(node: Node) -> str:
         return ""
     path = str(list(stack.values())[-1][0])
     # "L['args'][0]._modules['model']._modules['layers']['0']" or "L['self'].model.layers[0]" → "model.layers.0"
-    parts = [p for p in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", path) if p not in ("L", "self", "args", "_modules")]
+    noise = ("L", "self", "args", "_modules", "__dict__")
+    parts = [p for p in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", path) if p not in noise]
     if parts and parts[0] == "0" and "args" in path:
         parts = parts[1:]
     return ".".join(parts)

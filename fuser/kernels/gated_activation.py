@@ -74,10 +74,12 @@ def _check_inputs(
             raise ValueError(
                 f"fuser: gated_activation expects {name} of gate's shape {tuple(gate.shape)}, got {tuple(t.shape)}"
             )
-        if t.dtype != gate.dtype:
+        # LoRA terms may be of another float dtype (peft keeps adapters in fp32 under bf16 bases)
+        allowed = (gate.dtype,) if name == "up" else (torch.float16, torch.bfloat16, torch.float32)
+        if t.dtype not in allowed:
             raise ValueError(
-                f"fuser: gated_activation expects {name} of gate's dtype {gate.dtype}, got {t.dtype}; "
-                "cast both to one dtype first"
+                f"fuser: gated_activation expects {name} of gate's dtype {gate.dtype}"
+                f"{'' if name == 'up' else ' or another float dtype'}, got {t.dtype}; cast it first"
             )
 
 
@@ -156,9 +158,12 @@ def gated_activation_reference_backward(
     compute_dup: bool = True,
     compute_dgate_lora: bool = False,
     compute_dup_lora: bool = False,
+    gate_lora_dtype: torch.dtype | None = None,
+    up_lora_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The hand-written backward (not autograd of the forward): (dgate, dup, dgate_lora, dup_lora), each in g's
-    dtype, or None where not asked for. ``g`` and ``u`` are what the forward saved (the sums under LoRA)."""
+    """The hand-written backward (not autograd of the forward): (dgate, dup, dgate_lora, dup_lora), or None where
+    not asked for; the LoRA gradients in ``*_lora_dtype`` (default g's dtype), the others in g's dtype. ``g``
+    and ``u`` are what the forward saved (the sums under LoRA)."""
     compute = _compute_dtype(g)
     gc, uc, dc = g.to(compute), u.to(compute), dout.to(compute)
     act, dact = _reference_activation_and_grad(gc, activation)
@@ -166,11 +171,11 @@ def gated_activation_reference_backward(
     if compute_dgate or compute_dgate_lora:
         dg = dc * uc * dact
         dgate = dg.to(g.dtype) if compute_dgate else None
-        dgate_lora = (gate_scale * dg).to(g.dtype) if compute_dgate_lora else None
+        dgate_lora = (gate_scale * dg).to(gate_lora_dtype or g.dtype) if compute_dgate_lora else None
     if compute_dup or compute_dup_lora:
         du = dc * act
         dup = du.to(g.dtype) if compute_dup else None
-        dup_lora = (up_scale * du).to(g.dtype) if compute_dup_lora else None
+        dup_lora = (up_scale * du).to(up_lora_dtype or g.dtype) if compute_dup_lora else None
     return dgate, dup, dgate_lora, dup_lora
 
 
@@ -527,13 +532,19 @@ def gated_activation_backward_triton(
     dup_out: torch.Tensor | None = None,
     dgate_lora_out: torch.Tensor | None = None,
     dup_lora_out: torch.Tensor | None = None,
+    gate_lora_dtype: torch.dtype | None = None,
+    up_lora_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: (dgate, dup, dgate_lora, dup_lora), None where not asked for. The ``*_out``
-    buffers (g's shape) let tests pre-fill the results with NaN."""
+    buffers (g's shape) let tests pre-fill the results with NaN; LoRA gradients come in ``*_lora_dtype``."""
     _check_inputs(g, u, None, None, activation)
     wanted = (compute_dgate, compute_dup, compute_dgate_lora, compute_dup_lora)
     buffers = (dgate_out, dup_out, dgate_lora_out, dup_lora_out)
-    grads = [(b if b is not None else _new_empty(g)) if w else None for w, b in zip(wanted, buffers, strict=True)]
+    dtypes = (g.dtype, g.dtype, gate_lora_dtype or g.dtype, up_lora_dtype or g.dtype)
+    grads = [
+        (b if b is not None else torch.empty(g.shape, dtype=d, device=g.device)) if w else None
+        for w, b, d in zip(wanted, buffers, dtypes, strict=True)
+    ]
     _launch_backward(
         _as_rows(dout),
         _as_rows(g),
@@ -664,22 +675,31 @@ def gated_activation_backward_op(
     gate_lora_grad: bool,
     up_lora_grad: bool,
     activation: str,
+    gate_lora_dtype: torch.dtype | None = None,
+    up_lora_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate, dup, dgate_lora, dup_lora); each one not asked for is an empty tensor."""
     wanted = (gate_grad, up_grad, gate_lora_grad, up_lora_grad)
+    dtypes = {"gate_lora_dtype": gate_lora_dtype, "up_lora_dtype": up_lora_dtype}
     if use_triton(g) and triton_supports(g):
-        grads = gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, *wanted)
+        grads = gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, *wanted, **dtypes)
     else:
-        grads = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted)
+        grads = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted, **dtypes)
         grads = [t.contiguous() if t is not None else None for t in grads]
     return tuple(_or_empty(t, g) for t in grads)
 
 
 @gated_activation_backward_op.register_fake
-def _(dout, g, u, gate_scale, up_scale, gate_grad, up_grad, gate_lora_grad, up_lora_grad, activation):
+def _(
+    dout, g, u, gate_scale, up_scale, gate_grad, up_grad, gate_lora_grad, up_lora_grad, activation,
+    gate_lora_dtype=None, up_lora_dtype=None,
+):  # fmt: skip
     _check_activation(activation)
     wanted = (gate_grad, up_grad, gate_lora_grad, up_lora_grad)
-    return tuple(g.new_empty(g.shape if w else 0) for w in wanted)
+    dtypes = (g.dtype, g.dtype, gate_lora_dtype or g.dtype, up_lora_dtype or g.dtype)
+    return tuple(
+        g.new_empty(g.shape if w else 0, dtype=d if w else g.dtype) for w, d in zip(wanted, dtypes, strict=True)
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -688,6 +708,10 @@ def _setup_context(ctx, inputs, output):
     # save g and u (the sums under LoRA), never act(g): backward recomputes it
     ctx.save_for_backward(gate if gate_lora is None else gate_sum, up if up_lora is None else up_sum)
     ctx.has_gate_lora, ctx.has_up_lora = gate_lora is not None, up_lora is not None
+    ctx.lora_dtypes = (
+        gate_lora.dtype if gate_lora is not None else None,
+        up_lora.dtype if up_lora is not None else None,
+    )
     ctx.gate_scale, ctx.up_scale, ctx.activation = gate_scale, up_scale, activation
     # the sums are handed out for saving, not as results: nothing may backpropagate into them
     ctx.mark_non_differentiable(gate_sum, up_sum)
@@ -700,7 +724,9 @@ def _backward(ctx, dout, _dgate_sum, _dup_sum):
     wanted = (needs[0], needs[1], needs[2] and ctx.has_gate_lora, needs[3] and ctx.has_up_lora)
     if dout is None or not any(wanted):
         return None, None, None, None, None, None, None
-    grads = torch.ops.fuser.gated_activation_backward(dout, g, u, ctx.gate_scale, ctx.up_scale, *wanted, ctx.activation)
+    grads = torch.ops.fuser.gated_activation_backward(
+        dout, g, u, ctx.gate_scale, ctx.up_scale, *wanted, ctx.activation, *ctx.lora_dtypes
+    )
     return (*(t if w else None for t, w in zip(grads, wanted, strict=True)), None, None, None)
 
 

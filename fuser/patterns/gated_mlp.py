@@ -21,15 +21,17 @@ import torch
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, S, V
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _maybe_lora(name: str) -> OneOf:
-    """``base + lora * s`` (peft's LoRA forward), or any tensor."""
-    return OneOf(Op("add", V(name), Op("mul", V(f"{name}_lora"), S(f"{name}_scale"))), V(name))
+    """``base + lora * s`` (peft's LoRA forward), optionally cast back to the base dtype (peft keeps adapters
+    in fp32 under a bf16 base, so its sum is fp32 until ``.to(torch_result_dtype)``), or any tensor."""
+    lora_sum = Op("add", V(name), Op("mul", V(f"{name}_lora"), S(f"{name}_scale")))
+    return OneOf(OptCast(lora_sum, f"{name}_cast"), V(name))
 
 
 def _half(index: int) -> Op:
@@ -91,12 +93,23 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
         if b.get("approximate") not in _GELU_MODES:
             raise Decline(f"gelu approximate={b.get('approximate')!r} is not 'tanh' or 'none'")
         activation = _GELU_MODES[b["approximate"]]
-    names = ["gate_up", "gate_up_lora"] if variant.name == "packed" else ["gate", "up", "gate_lora", "up_lora"]
-    tensors = {n: tensor_meta(b[n]) for n in names if n in b}
+    bases = ["gate_up"] if variant.name == "packed" else ["gate", "up"]
+    tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
     if any(t.dtype not in _FLOATS for t in tensors.values()):
         raise Decline(f"dtypes {[str(t.dtype) for t in tensors.values()]} are not all fp16/bf16/fp32")
-    if len({t.dtype for t in tensors.values()} | {out.dtype}) != 1:
-        raise Decline(f"gate/up/result dtypes differ ({[str(t.dtype) for t in tensors.values()]} → {out.dtype})")
+    base_dtypes = {tensors[n].dtype for n in bases}
+    if len(base_dtypes | {out.dtype}) != 1:
+        raise Decline(f"gate/up/result dtypes differ ({[str(d) for d in base_dtypes]} → {out.dtype})")
+    for n in bases:
+        if f"{n}_lora" not in b:
+            continue
+        # the sum's dtype: the explicit cast, or type promotion of base and LoRA term; it must be the base's
+        lora_dtype = tensors[f"{n}_lora"].dtype
+        sum_dtype = b.get(f"{n}_cast") or torch.promote_types(tensors[n].dtype, lora_dtype)
+        if sum_dtype != tensors[n].dtype:
+            raise Decline(f"{n} LoRA sum is {sum_dtype}, not the base dtype {tensors[n].dtype}")
+        if variant.name == "packed" and lora_dtype != tensors[n].dtype:
+            raise Decline(f"packed gate_up LoRA term of dtype {lora_dtype} (the packed op takes one dtype)")
     shapes = [tuple(t.shape) for t in tensors.values()]
     first = shapes[0]
     for shape in shapes[1:]:

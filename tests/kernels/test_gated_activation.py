@@ -558,9 +558,9 @@ def test_op_asks_backward_only_for_needed_grads(case, gen, reference_path, monke
     lora, requires_grad = NEEDS_GRAD[case]
     calls = []
 
-    def spy(dout, g, u, activation, gate_scale, up_scale, *wanted):
+    def spy(dout, g, u, activation, gate_scale, up_scale, *wanted, **lora_dtypes):
         calls.append(tuple(wanted))
-        return gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted)
+        return gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted, **lora_dtypes)
 
     monkeypatch.setattr(gated_activation_module, "gated_activation_reference_backward", spy)
     check_op_autograd(_call_functional, "gelu_tanh", lora, (5, 300), gen, requires_grad)
@@ -836,3 +836,32 @@ def test_gpu_results_are_deterministic(gen):
     first = run_triton(*inputs, "gelu_tanh")
     second = run_triton(*inputs, "gelu_tanh")
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("force_triton", [False, pytest.param(True, marks=interpreter)], ids=["reference", "triton"])
+def test_fp32_lora_terms_under_a_half_precision_base(force_triton, gen, monkeypatch):
+    """peft keeps adapters in fp32 under a bf16/fp16 base: the op takes the fp32 LoRA terms as they are, rounds
+    the sums to the base dtype (as ``(base + lora * s).to(base dtype)`` does) and returns fp32 LoRA gradients."""
+    if force_triton:
+        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    else:
+        monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    shape = (6, 70)
+    gate, up = (randn(shape, gen, torch.float16, scale=2.0).requires_grad_() for _ in range(2))
+    gate_lora, up_lora = (randn(shape, gen, torch.float32, scale=0.5).requires_grad_() for _ in range(2))
+    probe = randn(shape, gen)
+    out = gated_activation(gate, up, "silu", gate_lora=gate_lora, up_lora=up_lora, gate_scale=0.5, up_scale=2.0)
+    assert out.dtype == torch.float16
+    (out.float() * probe).sum().backward()
+    assert gate_lora.grad.dtype == torch.float32 and up_lora.grad.dtype == torch.float32
+    g64 = (fp64(gate) + 0.5 * fp64(gate_lora)).to(torch.float16).to(torch.float64)
+    u64 = (fp64(up) + 2.0 * fp64(up_lora)).to(torch.float16).to(torch.float64)
+    g64.requires_grad_()
+    u64.requires_grad_()
+    ref = torch.nn.functional.silu(g64) * u64
+    (ref * fp64(probe)).sum().backward()
+    tol = TOLERANCE[torch.float16]
+    assert_close("out", out, ref, tol)
+    assert_close("gate.grad", gate.grad, g64.grad, tol)
+    assert_close("gate_lora.grad", gate_lora.grad, 0.5 * g64.grad, tol)
+    assert_close("up_lora.grad", up_lora.grad, 2.0 * u64.grad, tol)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -164,3 +165,40 @@ def test_second_half_as_gate_is_not_the_packed_form():
     inputs = _inputs()
     out = torch.compile(halves_swapped, backend=fuser.backend(config))(*inputs)
     torch.testing.assert_close(out, halves_swapped(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(H, INTER, bias=False)
+        self.up_proj = torch.nn.Linear(H, INTER, bias=False)
+        self.down_proj = torch.nn.Linear(INTER, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_peft_fp32_adapters_on_a_bf16_base_are_absorbed():
+    """peft's default keeps LoRA weights in fp32 under a bf16 base: ``(base + lora * s).to(bf16)`` is absorbed,
+    the result equals eager, and the LoRA weights get fp32 gradients."""
+    import peft
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(TinyMLP().bfloat16(), config)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 7, H, dtype=torch.bfloat16)
+    report = fuser.explain(model, x)
+    assert report.counts == {"swiglu": 1}, str(report)
+    assert {"gate_lora", "up_lora", "gate_cast", "up_cast"} <= set(report.matches[0].found.bindings)
+    fuser_config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = fuser.optimize(model, fuser_config)(x)
+    ref = reference(x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    dy = torch.randn_like(ref)
+    out.backward(dy)
+    ref.backward(dy)
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if p_ref.grad is not None:
+            assert p.grad.dtype == p_ref.grad.dtype, name
+            torch.testing.assert_close(p.grad.float(), p_ref.grad.float(), rtol=6e-2, atol=6e-2, msg=name)
