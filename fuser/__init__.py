@@ -6,9 +6,21 @@ print(fuser.explain(model, input_ids=ids, labels=ids))
 
 from fuser.config import FuserConfig
 from fuser.dynamo_backend import FuserError, backend, optimize
+from fuser.kernels.gated_activation import geglu, swiglu
 from fuser.kernels.rms_norm import rms_norm
 from fuser.report import Report, explain
 
 __version__ = "0.1.0"
 
-__all__ = ["FuserConfig", "FuserError", "Report", "backend", "explain", "optimize", "rms_norm", "__version__"]
+__all__ = [
+    "FuserConfig",
+    "FuserError",
+    "Report",
+    "backend",
+    "explain",
+    "geglu",
+    "optimize",
+    "rms_norm",
+    "swiglu",
+    "__version__",
+]
