@@ -62,6 +62,10 @@ _FUNCTIONS = _fn_names(
     (torch.nn.functional.gelu, "gelu"),
     (torch.chunk, "chunk"),
     (operator.getitem, "getitem"),
+    (torch.cat, "cat"),
+    (torch.concat, "cat"),
+    (torch.stack, "stack"),
+    (torch.flatten, "flatten"),
 )
 _METHODS = {
     "mul": "mul",
@@ -79,6 +83,7 @@ _METHODS = {
     "sum": "sum",
     "sigmoid": "sigmoid",
     "chunk": "chunk",
+    "flatten": "flatten",
 }
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -158,11 +163,57 @@ def _structural(node: Node, op: str) -> Canon | None:
         dims = _normalise_dims(bound.get("dim", 0), t.dim())
         return Canon("chunk", (bound["input"], bound["chunks"], dims[0] if dims else None))
     # getitem
-    if len(args) != 2 or kwargs or not isinstance(args[1], int) or not isinstance(args[0], Node):
+    if len(args) != 2 or kwargs or not isinstance(args[0], Node):
         return None
-    if not isinstance(meta_value(args[0]), (tuple, list)):
+    if isinstance(meta_value(args[0]), (tuple, list)):
+        return Canon("getitem", (args[0], args[1])) if isinstance(args[1], int) else None
+    return _last_dim_slice(args[0], args[1])
+
+
+def _last_dim_slice(x: Node, index: Any) -> Canon | None:
+    """``x[..., start:stop:step]`` as ``slice_last(x, start, stop, step)`` with defaults filled in (a slice of a
+    size-``d`` last dim: start and stop in ``[0, d]``, step ≥ 1); anything else is not a last-dim slice."""
+    t = tensor_meta(x)
+    if t is None or t.dim() == 0:
         return None
-    return Canon("getitem", (args[0], args[1]))
+    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis:
+        sl = index[1]
+    elif isinstance(index, tuple) and len(index) == t.dim() and all(i == slice(None) for i in index[:-1]):
+        sl = index[-1]
+    else:
+        return None
+    d = t.shape[-1]
+    if not isinstance(sl, slice) or not isinstance(d, int):
+        return None
+    start, stop, step = sl.indices(d)
+    if step < 1:
+        return None
+    return Canon("slice_last", (x, start, stop, step))
+
+
+def _joining(node: Node, op: str) -> Canon | None:
+    """``cat``/``stack`` of exactly two tensors, ``flatten``; dims as negative indices of the result."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    out = tensor_meta(node)
+    if out is None:
+        return None
+    if op == "flatten":
+        x = args[0] if args else kwargs.get("input")
+        names = ["start_dim", "end_dim"]
+        bound = {"start_dim": 0, "end_dim": -1, **dict(zip(names, args[1:], strict=False)), **kwargs}
+        xt = tensor_meta(x)
+        if xt is None or set(bound) - {"start_dim", "end_dim", "input"}:
+            return None
+        start, end = (d - xt.dim() if d >= 0 else d for d in (bound["start_dim"], bound["end_dim"]))
+        return Canon("flatten", (x, start, end))
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or set(kwargs) - {"dim", "tensors"}:
+        return None
+    if not isinstance(dim, int):
+        return None
+    dim = dim - out.dim() if dim >= 0 else dim
+    return Canon(op, (tensors[0], tensors[1], dim))
 
 
 def _cast(node: Node) -> Canon | None:
@@ -226,6 +277,8 @@ def canonical(node: Any) -> Canon | None:
         return _reduction(node, op)
     if op in ("silu", "gelu", "chunk", "getitem"):
         return _structural(node, op)
+    if op in ("cat", "stack", "flatten"):
+        return _joining(node, op)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

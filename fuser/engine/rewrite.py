@@ -23,7 +23,7 @@ import torch.fx
 
 from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import Found, escaping_use, match_tree
-from fuser.patterns.base import Decline, Pattern, Replacement
+from fuser.patterns.base import Decline, EmptyLike, Pattern, Replacement
 
 log = logging.getLogger("fuser")
 
@@ -98,6 +98,12 @@ def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: s
         accepted = _try_patterns(node, patterns, claimed, graph_name, result)
         if accepted is not None:
             claimed.update(accepted.found.nodes)
+    for pattern in patterns:
+        if pattern.combine is not None:
+            mine = [m for m in result.matches if m.graph_name == graph_name and m.pattern == pattern.name]
+            if mine:
+                others = [m for m in result.matches if not (m.graph_name == graph_name and m.pattern == pattern.name)]
+                result.matches = others + pattern.combine(mine)
     covered = {n for m in result.matches if m.graph_name == graph_name for n in m.found.nodes}
     for pattern, node in anchors:
         if node not in covered and not any(nm.node is node for nm in result.near_misses):
@@ -139,24 +145,37 @@ def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern]) -> RewriteRe
     return result
 
 
+def _copy_source_meta(source: Node, target: Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in source.meta:
+            target.meta[key] = source.meta[key]
+
+
 def apply_matches(result: RewriteResult) -> None:
     """Phase 2: replace each match's root by its fused op; erase interior nodes left without users."""
     for match in result.matches:
         root = match.found.root
         graph = root.graph
         replacement = match.replacement
-        with graph.inserting_before(root):
-            call = graph.call_function(replacement.op, replacement.args)
+        outputs = [(root, replacement.output_index), *replacement.extra_outputs]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        first = min((r for r, _ in outputs), key=order.__getitem__)
+        with graph.inserting_before(first):
+            args = tuple(
+                graph.call_method("new_empty", (a.like, (0,))) if isinstance(a, EmptyLike) else a
+                for a in replacement.args
+            )
+            call = graph.call_function(replacement.op, args)
+        _copy_source_meta(root, call)
+        for old, index in outputs:
             fused = call
-            if replacement.output_index is not None:
-                fused = graph.call_function(operator.getitem, (call, replacement.output_index))
-        for node in {call, fused}:
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-                if key in root.meta:
-                    node.meta[key] = root.meta[key]
-        if "example_value" in root.meta:
-            fused.meta["example_value"] = root.meta["example_value"]
-        root.replace_all_uses_with(fused)
+            if index is not None:
+                with graph.inserting_before(first):
+                    fused = graph.call_function(operator.getitem, (call, index))
+            _copy_source_meta(old, fused)
+            if "example_value" in old.meta:
+                fused.meta["example_value"] = old.meta["example_value"]
+            old.replace_all_uses_with(fused)
         dead = list(match.found.nodes)
         while dead:  # erase users before what they use; interior nodes have no users outside the match
             erasable = [n for n in dead if not n.users]

@@ -3,7 +3,8 @@
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
 from fuser.patterns.rms_norm import RMS_NORM
+from fuser.patterns.rope import ROPE
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMS_NORM, SWIGLU, GEGLU)}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMS_NORM, ROPE, SWIGLU, GEGLU)}
 
 __all__ = ["PATTERNS", "Decline", "Pattern", "Replacement", "Variant"]

@@ -24,12 +24,22 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class EmptyLike:
+    """An argument the rewrite materialises as ``like.new_empty(0)``: a 0-element tensor standing for "absent"
+    where a custom op cannot take ``None`` in that position."""
+
+    like: Node
+
+
+@dataclass(frozen=True)
 class Replacement:
     """One call to a fused op that takes the place of ``root``."""
 
     op: Any  # an OpOverload, e.g. torch.ops.fuser.rms_norm.default
     args: tuple[Any, ...]
     output_index: int | None = None  # the op returns a tuple: the block's value is this element
+    # a combined match (q and k rotated by one op) replaces more roots: (root node, output index) for each
+    extra_outputs: tuple[tuple[Node, int], ...] = ()
 
 
 @dataclass
@@ -39,9 +49,12 @@ class Pattern:
     ``anchors`` names canonical ops that almost always belong to this block (``rsqrt`` for RMSNorm): an anchor
     node that no accepted match covers is reported as a near-miss in ``fuser.explain``.
     ``check(found, variant)`` returns the ``Replacement`` or raises ``Decline`` with a reason.
+    ``combine(matches)``, if given, may merge this pattern's accepted matches of one graph into fewer fused ops
+    (RoPE rotates q and k with one op); it returns the matches to apply.
     """
 
     name: str
     variants: list[Variant]
     check: Callable[[Found, Variant], Replacement]
     anchors: frozenset[str] = field(default_factory=frozenset)
+    combine: Callable[[list[Any]], list[Any]] | None = None

@@ -108,3 +108,37 @@ def build_any(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> t
 
 def expected_mlp_counts(arch: str) -> dict[str, int]:
     return dict(GATED_ARCHS[arch][2])
+
+
+# Architectures for the RoPE tier: config class, extra config fields, RoPE ops expected per model (one per layer).
+ROPE_ARCHS = {
+    "llama": ("LlamaConfig", {}, N_LAYERS),
+    "qwen3": ("Qwen3Config", {}, N_LAYERS),
+    "mistral": ("MistralConfig", {}, N_LAYERS),
+    "gemma": ("GemmaConfig", {}, N_LAYERS),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}, N_LAYERS),
+    "glm4": ("Glm4Config", {"partial_rotary_factor": 0.5, "pad_token_id": 0}, N_LAYERS),  # interleaved, partial
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}, N_LAYERS),  # partial rotate_half
+    "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "hidden_dropout": 0.0, "attention_dropout": 0.0}, N_LAYERS),
+    # no RoPE at all
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": N_LAYERS, "n_head": 4}, 0),
+    "bloom": ("BloomConfig", {"n_layer": N_LAYERS, "n_head": 4}, 0),
+}
+
+
+def build_rope_arch(arch: str, seed: int = 0) -> torch.nn.Module:
+    cls_name, extra, _ = ROPE_ARCHS[arch]
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    fields.update(extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**fields))
+    return model.eval()  # dropout off: eager and fuser must see the same function

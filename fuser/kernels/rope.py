@@ -1,0 +1,616 @@
+"""Rotary position embedding of q and k as one fused op, forward and backward, in one launch each.
+
+q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` (GQA / MQA: Hk may differ; k may be absent) are rotated with cos and
+sin broadcastable to ``[B, 1, T, R]``, R = ``rotary_dim`` ≤ D, even; channels c ≥ R pass through unchanged
+(partial rotary: Phi, GPT-NeoX, GLM). The R rotated channels form h = R/2 pairs. Pair i reads the input channels
+(a, b) and writes the output channels (p, o), all in fp32:
+
+    y[p] = x[a]·cos[p] − x[b]·sin[p]
+    y[o] = x[b]·cos[o] + x[a]·sin[o]
+
+with, per ``layout`` (cos/sin are read at the output channel, never assumed equal across a pair):
+
+    layout              a     b       p     o       written by
+    "half"              i     i+h     i     i+h     Llama, Mistral, Qwen, GPT-NeoX, Phi (HF ``rotate_half``)
+    "interleaved"       2i    2i+1    2i    2i+1    GLM, Helium, original Meta (cos/sin repeat-interleaved)
+    "pairs_to_halves"   2i    2i+1    i     i+h     DeepSeek-V2/V3 ``rope_interleave``: pairs in, halves out
+
+Backward is the transposed rotation, with the same cos/sin (y is linear in x; no gradient flows to cos/sin):
+
+    dx[a] = dy[p]·cos[p] + dy[o]·sin[o]
+    dx[b] = dy[o]·cos[o] − dy[p]·sin[p]
+    dx[c] = dy[c]                                   (c ≥ R, pass-through)
+
+Forward saves cos and sin only (never rotated copies of q or k). Both directions are one elementwise kernel over
+tiles of [heads, pairs] of one token: the program grid runs over (token, head block), the head blocks of q first
+and then those of k, so q and k are rotated in the same launch; each program loads its token's cos/sin once.
+q, k and the gradients are read through all four strides (Hugging Face hands over ``x.view(B, T, H, D)
+.transpose(1, 2)``: nothing is copied); cos/sin through three, size-1 dims read with stride 0. The outputs are
+contiguous. The launch configuration (tiles of ~1024 pairs, 4 warps) is not tuned on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuser.kernels._triton import HAS_TRITON, tl, triton, use_triton
+
+LAYOUTS = ("half", "interleaved", "pairs_to_halves")
+_LAYOUT_CODE = {name: code for code, name in enumerate(LAYOUTS)}
+# (input pairs interleaved, output pairs interleaved) per layout: halves (x[i], x[i+h]) otherwise
+_PAIRING = {"half": (False, False), "interleaved": (True, True), "pairs_to_halves": (True, False)}
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _LAYOUT_CODE:
+        raise ValueError(f"fuser: rope expects layout 'half', 'interleaved' or 'pairs_to_halves', got {layout!r}")
+
+
+def _has_heads(k: torch.Tensor | None) -> bool:
+    """k (or dk) is present: a 0-element tensor stands for "rotate q only"."""
+    return k is not None and k.numel() > 0
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, layout: str
+) -> None:
+    """Shapes, dtypes and devices; ``q``/``k`` may equally be the gradients dq_out/dk_out."""
+    _check_layout(layout)
+    if q.dim() != 4:
+        raise ValueError(f"fuser: rope expects q of shape [batch, heads, seq, head_dim], got {tuple(q.shape)}")
+    batch, _, seq_len, head_dim = q.shape
+    if rotary_dim % 2 != 0 or not 2 <= rotary_dim <= head_dim:
+        raise ValueError(f"fuser: rope expects an even rotary_dim in [2, head_dim={head_dim}], got {rotary_dim}")
+    if _has_heads(k) and (k.dim() != 4 or k.shape[0] != batch or k.shape[2] != seq_len or k.shape[3] != head_dim):
+        raise ValueError(
+            f"fuser: rope expects k of shape [{batch}, kv_heads, {seq_len}, {head_dim}] (q's batch, seq and "
+            f"head_dim), got {tuple(k.shape)}"
+        )
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"fuser: rope expects a floating-point {name}, got {t.dtype}")
+        if t is not None and t.device != q.device:
+            raise ValueError(f"fuser: rope expects {name} on q's device {q.device}, got {t.device}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 4 or t.shape[-1] != rotary_dim:
+            raise ValueError(
+                f"fuser: rope expects {name} of last dim {rotary_dim} (rotary_dim) and 4 dims, got {tuple(t.shape)}"
+            )
+        # size-1 batch first (usual, and no guard on a symbolic batch), the token dim compared to T first
+        # (the same symbol under dynamic shapes: no specialisation on T)
+        broadcastable = (
+            t.shape[1] == 1 and (t.shape[0] == 1 or t.shape[0] == batch) and (t.shape[2] == seq_len or t.shape[2] == 1)
+        )
+        if not broadcastable:
+            raise ValueError(
+                f"fuser: rope expects {name} broadcastable to [{batch}, 1, {seq_len}, {rotary_dim}] "
+                f"(HF passes cos.unsqueeze(1)), got {tuple(t.shape)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _split(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two channels of every pair among the first ``rotary_dim``: (t[2i], t[2i+1]) or (t[i], t[i+h])."""
+    if interleaved:
+        return t[..., 0:rotary_dim:2], t[..., 1:rotary_dim:2]
+    half = rotary_dim // 2
+    return t[..., :half], t[..., half:rotary_dim]
+
+
+def _join(first: torch.Tensor, second: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The inverse of ``_split``: the pairs' two channels back into one ``[..., R]`` tensor."""
+    if interleaved:
+        return torch.stack((first, second), dim=-1).flatten(-2)
+    return torch.cat((first, second), dim=-1)
+
+
+def _rotate_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, layout: str, backward: bool
+) -> torch.Tensor:
+    """One tensor through the module docstring's formulas (forward, or the transposed rotation for backward)."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    in_pairs, out_pairs = _PAIRING[layout]
+    compute = _compute_dtype(x)
+    xc = x.to(compute)
+    cos_p, cos_o = _split(cos.to(compute), rotary_dim, out_pairs)  # cos at the output channels p and o
+    sin_p, sin_o = _split(sin.to(compute), rotary_dim, out_pairs)
+    if backward:
+        # dx[a] = dy[p]·cos[p] + dy[o]·sin[o];  dx[b] = dy[o]·cos[o] − dy[p]·sin[p]
+        dy_p, dy_o = _split(xc, rotary_dim, out_pairs)
+        rotated = _join(dy_p * cos_p + dy_o * sin_o, dy_o * cos_o - dy_p * sin_p, in_pairs)
+    else:
+        # y[p] = x[a]·cos[p] − x[b]·sin[p];  y[o] = x[b]·cos[o] + x[a]·sin[o]
+        x_a, x_b = _split(xc, rotary_dim, in_pairs)
+        rotated = _join(x_a * cos_p - x_b * sin_p, x_b * cos_o + x_a * sin_o, out_pairs)
+    # the pass-through channels are copied as they are
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1).contiguous()
+
+
+def rope_reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q_out, k_out) in fp32 (fp64 for fp64 inputs), returned contiguous in q's / k's dtype; ``cos``/``sin``
+    4-D, broadcastable to ``[B, 1, T, rotary_dim]``. ``k`` None gives None; a 0-element k an empty k_out."""
+    _check_inputs(q, k, cos, sin, rotary_dim, layout)
+    q_out = _rotate_reference(q, cos, sin, rotary_dim, layout, backward=False)
+    k_out = None if k is None else _rotate_reference(k, cos, sin, rotary_dim, layout, backward=False)
+    return q_out, k_out
+
+
+def rope_reference_backward(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The hand-written backward (not autograd of the forward): (dq, dk), the transposed rotation of the
+    incoming gradients with the forward's cos/sin; dk is None when ``dk_out`` is."""
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
+    dq = _rotate_reference(dq_out, cos, sin, rotary_dim, layout, backward=True)
+    dk = None if dk_out is None else _rotate_reference(dk_out, cos, sin, rotary_dim, layout, backward=True)
+    return dq, dk
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_pairs(row_ptr, head_mask, n_half, stride_d, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # the two channels of every pair, fp32 [BLOCK_HEADS, BLOCK_HALF] each (row_ptr: [BLOCK_HEADS, 1] pointers
+        # to the heads' channel 0): (x[2i], x[2i+1]) or (x[i], x[i+h])
+        if INTERLEAVED:
+            # one contiguous load of the R channels, de-interleaved in registers (strided loads do not vectorise)
+            chans = tl.arange(0, 2 * BLOCK_HALF)
+            mask = head_mask[:, None] & (chans < 2 * n_half)[None, :]
+            x = tl.load(row_ptr + chans[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+            first, second = tl.split(tl.reshape(x, (x.shape[0], BLOCK_HALF, 2)))
+        else:
+            pairs = tl.arange(0, BLOCK_HALF)
+            mask = head_mask[:, None] & (pairs < n_half)[None, :]
+            first = tl.load(row_ptr + pairs[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+            second = tl.load(row_ptr + (pairs + n_half)[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+        return first, second
+
+    @triton.jit
+    def _store_pairs(
+        row_ptr, first, second, head_mask, n_half, stride_d, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr
+    ):
+        # the inverse of _load_pairs: write the pairs' two channels, rounded to the output dtype
+        out_ty = row_ptr.dtype.element_ty
+        if INTERLEAVED:
+            chans = tl.arange(0, 2 * BLOCK_HALF)
+            mask = head_mask[:, None] & (chans < 2 * n_half)[None, :]
+            x = tl.reshape(tl.join(first, second), (first.shape[0], 2 * BLOCK_HALF))
+            tl.store(row_ptr + chans[None, :] * stride_d, x.to(out_ty), mask=mask)
+        else:
+            pairs = tl.arange(0, BLOCK_HALF)
+            mask = head_mask[:, None] & (pairs < n_half)[None, :]
+            tl.store(row_ptr + pairs[None, :] * stride_d, first.to(out_ty), mask=mask)
+            tl.store(row_ptr + (pairs + n_half)[None, :] * stride_d, second.to(out_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_head_block(
+        src_row_ptr,
+        dst_row_ptr,
+        src_stride_h,
+        src_stride_d,
+        dst_stride_h,
+        dst_stride_d,
+        head_start,
+        n_heads,
+        rotary_dim,
+        head_dim,
+        cos_p,
+        sin_p,
+        cos_o,
+        sin_o,
+        BACKWARD: tl.constexpr,
+        IN_INTERLEAVED: tl.constexpr,
+        OUT_INTERLEAVED: tl.constexpr,
+        HAS_PASS: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_PASS: tl.constexpr,
+    ):
+        # one token's heads [head_start, head_start + BLOCK_HEADS) of one tensor
+        heads = head_start + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
+        head_mask = heads < n_heads
+        heads = heads.to(tl.int64)
+        src_heads = src_row_ptr + heads[:, None] * src_stride_h  # [BLOCK_HEADS, 1]
+        dst_heads = dst_row_ptr + heads[:, None] * dst_stride_h
+        n_half = rotary_dim // 2
+        if BACKWARD:
+            # read the gradient at the output channels (p, o), write it at the input channels (a, b):
+            # dx[a] = dy[p]·cos[p] + dy[o]·sin[o];  dx[b] = dy[o]·cos[o] − dy[p]·sin[p]
+            dy_p, dy_o = _load_pairs(src_heads, head_mask, n_half, src_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
+            dx_a = dy_p * cos_p + dy_o * sin_o
+            dx_b = dy_o * cos_o - dy_p * sin_p
+            _store_pairs(dst_heads, dx_a, dx_b, head_mask, n_half, dst_stride_d, IN_INTERLEAVED, BLOCK_HALF)
+        else:
+            # y[p] = x[a]·cos[p] − x[b]·sin[p];  y[o] = x[b]·cos[o] + x[a]·sin[o]
+            x_a, x_b = _load_pairs(src_heads, head_mask, n_half, src_stride_d, IN_INTERLEAVED, BLOCK_HALF)
+            y_p = x_a * cos_p - x_b * sin_p
+            y_o = x_b * cos_o + x_a * sin_o
+            _store_pairs(dst_heads, y_p, y_o, head_mask, n_half, dst_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
+        if HAS_PASS:
+            # channels rotary_dim..head_dim are copied unchanged
+            cols = rotary_dim + tl.arange(0, BLOCK_PASS)  # [BLOCK_PASS]
+            pass_mask = head_mask[:, None] & (cols < head_dim)[None, :]
+            x = tl.load(src_heads + cols[None, :] * src_stride_d, mask=pass_mask, other=0.0)
+            tl.store(dst_heads + cols[None, :] * dst_stride_d, x.to(dst_row_ptr.dtype.element_ty), mask=pass_mask)
+
+    @triton.jit
+    def rope_kernel(
+        src_q_ptr,
+        src_k_ptr,
+        dst_q_ptr,
+        dst_k_ptr,
+        cos_ptr,
+        sin_ptr,
+        src_q_stride_b,
+        src_q_stride_h,
+        src_q_stride_t,
+        src_q_stride_d,
+        src_k_stride_b,
+        src_k_stride_h,
+        src_k_stride_t,
+        src_k_stride_d,
+        dst_q_stride_b,
+        dst_q_stride_h,
+        dst_q_stride_t,
+        dst_q_stride_d,
+        dst_k_stride_b,
+        dst_k_stride_h,
+        dst_k_stride_t,
+        dst_k_stride_d,
+        cos_stride_b,
+        cos_stride_t,
+        cos_stride_d,
+        sin_stride_b,
+        sin_stride_t,
+        sin_stride_d,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        head_dim,
+        rotary_dim,
+        BACKWARD: tl.constexpr,
+        IN_INTERLEAVED: tl.constexpr,
+        OUT_INTERLEAVED: tl.constexpr,
+        Q_BLOCK_HEADS: tl.constexpr,
+        K_BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_PASS: tl.constexpr,
+        HAS_PASS: tl.constexpr,
+    ):
+        # The forward kernel (BACKWARD=False: src = q, k; dst = q_out, k_out) and the backward kernel
+        # (BACKWARD=True: src = dq_out, dk_out; dst = dq, dk), one specialisation each.
+        # program → (token, head block), head blocks fastest: for HF's [B, T, H, D] storage consecutive programs
+        # sweep contiguous memory (and a 1-D grid has no 65535 limit on the token count)
+        n_q_blocks = tl.cdiv(n_q_heads, Q_BLOCK_HEADS)
+        n_blocks = n_q_blocks + tl.cdiv(n_k_heads, K_BLOCK_HEADS)
+        pid = tl.program_id(0)
+        row = (pid // n_blocks).to(tl.int64)  # b·T + t; int64 offsets from here on
+        block = pid % n_blocks
+        batch = row // seq_len
+        token = row % seq_len
+
+        # this token's cos and sin at the output channels (p, o) of every pair, fp32  [1, BLOCK_HALF] each
+        # (one row, broadcast over the heads)
+        n_half = rotary_dim // 2
+        one_row = tl.arange(0, 1)
+        cos_row = cos_ptr + batch * cos_stride_b + token * cos_stride_t + one_row[:, None]
+        sin_row = sin_ptr + batch * sin_stride_b + token * sin_stride_t + one_row[:, None]
+        cos_p, cos_o = _load_pairs(cos_row, one_row < 1, n_half, cos_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
+        sin_p, sin_o = _load_pairs(sin_row, one_row < 1, n_half, sin_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
+
+        if block < n_q_blocks:  # a block of q's heads
+            _rotate_head_block(
+                src_q_ptr + batch * src_q_stride_b + token * src_q_stride_t,
+                dst_q_ptr + batch * dst_q_stride_b + token * dst_q_stride_t,
+                src_q_stride_h,
+                src_q_stride_d,
+                dst_q_stride_h,
+                dst_q_stride_d,
+                block * Q_BLOCK_HEADS,
+                n_q_heads,
+                rotary_dim,
+                head_dim,
+                cos_p,
+                sin_p,
+                cos_o,
+                sin_o,
+                BACKWARD,
+                IN_INTERLEAVED,
+                OUT_INTERLEAVED,
+                HAS_PASS,
+                Q_BLOCK_HEADS,
+                BLOCK_HALF,
+                BLOCK_PASS,
+            )
+        else:  # a block of k's heads
+            _rotate_head_block(
+                src_k_ptr + batch * src_k_stride_b + token * src_k_stride_t,
+                dst_k_ptr + batch * dst_k_stride_b + token * dst_k_stride_t,
+                src_k_stride_h,
+                src_k_stride_d,
+                dst_k_stride_h,
+                dst_k_stride_d,
+                (block - n_q_blocks) * K_BLOCK_HEADS,
+                n_k_heads,
+                rotary_dim,
+                head_dim,
+                cos_p,
+                sin_p,
+                cos_o,
+                sin_o,
+                BACKWARD,
+                IN_INTERLEAVED,
+                OUT_INTERLEAVED,
+                HAS_PASS,
+                K_BLOCK_HEADS,
+                BLOCK_HALF,
+                BLOCK_PASS,
+            )
+
+
+_PAIRS_PER_TILE = 1024
+
+
+def _launch_config(head_dim: int, rotary_dim: int, n_q_heads: int, n_k_heads: int) -> dict:
+    """Tiles of ~``_PAIRS_PER_TILE`` pairs (2048 rotated elements): BLOCK_HALF over the pairs, head blocks of q
+    and of k sized separately (a GQA k with 8 heads does not pad to q's 16), pass-through block over D − R."""
+    block_half = triton.next_power_of_2(rotary_dim // 2)
+    max_heads = max(1, _PAIRS_PER_TILE // block_half)
+    n_pass = head_dim - rotary_dim
+    return {
+        "Q_BLOCK_HEADS": min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads),
+        "K_BLOCK_HEADS": min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads),
+        "BLOCK_HALF": block_half,
+        "BLOCK_PASS": triton.next_power_of_2(n_pass) if n_pass > 0 else 1,
+        "HAS_PASS": n_pass > 0,
+        "num_warps": 4,
+    }
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, channel) strides of a 4-D cos/sin, 0 along its size-1 (broadcast) dims."""
+    return tuple(0 if t.shape[dim] == 1 else t.stride(dim) for dim in (0, 2, 3))
+
+
+def triton_supports(*tensors: torch.Tensor | None) -> bool:
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    return HAS_TRITON and all(t is None or t.numel() == 0 or t.dtype in dtypes for t in tensors)
+
+
+def _launch(
+    src_q: torch.Tensor,
+    src_k: torch.Tensor | None,
+    dst_q: torch.Tensor,
+    dst_k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    backward: bool,
+) -> None:
+    """The kernel over q's heads and k's (None or 0-element: q only), reading and writing through strides."""
+    batch, n_q_heads, seq_len, head_dim = src_q.shape
+    has_k = _has_heads(src_k)
+    n_k_heads = src_k.shape[1] if has_k else 0
+    config = _launch_config(head_dim, rotary_dim, n_q_heads, n_k_heads)
+    n_blocks = triton.cdiv(n_q_heads, config["Q_BLOCK_HEADS"]) + triton.cdiv(n_k_heads, config["K_BLOCK_HEADS"])
+    n_programs = batch * seq_len * n_blocks
+    if n_programs == 0 or head_dim == 0:
+        return
+    # without k, q stands in for its pointers and strides: the k branch never runs
+    src_k, dst_k = (src_k, dst_k) if has_k else (src_q, dst_q)
+    rope_kernel[(n_programs,)](
+        src_q,
+        src_k,
+        dst_q,
+        dst_k,
+        cos,
+        sin,
+        *src_q.stride(),
+        *src_k.stride(),
+        *dst_q.stride(),
+        *dst_k.stride(),
+        *_broadcast_strides(cos),
+        *_broadcast_strides(sin),
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        head_dim,
+        rotary_dim,
+        BACKWARD=backward,
+        IN_INTERLEAVED=_PAIRING[layout][1],
+        OUT_INTERLEAVED=_PAIRING[layout][1],
+        **config,
+    )
+
+
+def _new_out(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A contiguous result of ``t``'s shape and dtype, or the caller's ``out`` buffer after checking it."""
+    if out is None:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if out.shape != t.shape:
+        raise ValueError(f"fuser: rope expects an out buffer of shape {tuple(t.shape)}, got {tuple(out.shape)}")
+    return out
+
+
+def rope_forward_triton(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel: (q_out, k_out), k_out None when k is. ``q_out``/``k_out`` (q's / k's shape,
+    any strides) let tests pre-fill the results with NaN; q and k are read in place through their strides."""
+    _check_inputs(q, k, cos, sin, rotary_dim, layout)
+    q_out = _new_out(q, q_out)
+    k_out = None if k is None else _new_out(k, k_out)
+    _launch(q, k, q_out, k_out, cos, sin, rotary_dim, layout, backward=False)
+    return q_out, k_out
+
+
+def rope_backward_triton(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernel: (dq, dk), dk None when dk_out is; ``dq``/``dk`` as ``q_out``/``k_out``."""
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
+    dq = _new_out(dq_out, dq)
+    dk = None if dk_out is None else _new_out(dk_out, dk)
+    _launch(dq_out, dk_out, dq, dk, cos, sin, rotary_dim, layout, backward=True)
+    return dq, dk
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom ops and their autograd
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::rope", mutates_args=())
+def rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out), contiguous; a 0-element k means "rotate q only" and gives a 0-element k_out."""
+    if use_triton(q) and triton_supports(q, k, cos, sin):
+        return rope_forward_triton(q, k, cos, sin, rotary_dim, layout)
+    return rope_reference_forward(q, k, cos, sin, rotary_dim, layout)
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, rotary_dim, layout):
+    _check_inputs(q, k, cos, sin, rotary_dim, layout)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("fuser::rope_backward", mutates_args=())
+def rope_backward_op(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk), contiguous; a 0-element dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
+    if use_triton(dq_out) and triton_supports(dq_out, dk_out, cos, sin):
+        return rope_backward_triton(dq_out, dk_out, cos, sin, rotary_dim, layout)
+    return rope_reference_backward(dq_out, dk_out, cos, sin, rotary_dim, layout)
+
+
+@rope_backward_op.register_fake
+def _(dq_out, dk_out, cos, sin, rotary_dim, layout):
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
+    return dq_out.new_empty(dq_out.shape), dk_out.new_empty(dk_out.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, rotary_dim, layout = inputs
+    # cos and sin are all backward needs: the rotation is linear in q and k
+    ctx.save_for_backward(cos, sin)
+    ctx.rotary_dim, ctx.layout = rotary_dim, layout
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    need_dq = ctx.needs_input_grad[0] and dq_out is not None
+    need_dk = ctx.needs_input_grad[1] and dk_out is not None
+    if not (need_dq or need_dk):
+        return None, None, None, None, None, None
+    # a gradient not wanted (or of an unused output) goes in as a 0-element tensor: its heads are skipped; the
+    # op treats its two tensors alike, so k's gradient alone goes through q's slot
+    empty = cos.new_empty(0)
+    if need_dq:
+        dq, dk = torch.ops.fuser.rope_backward(
+            dq_out, dk_out if need_dk else empty, cos, sin, ctx.rotary_dim, ctx.layout
+        )
+    else:
+        dq, (dk, _) = None, torch.ops.fuser.rope_backward(dk_out, empty, cos, sin, ctx.rotary_dim, ctx.layout)
+    # no gradient for cos and sin (the functional refuses cos/sin that require one)
+    return dq, (dk if need_dk else None), None, None, None, None
+
+
+rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() == 3:  # [B | 1, T, R], as HF's rotary embedding returns it: unsqueeze the head dim
+        return t.unsqueeze(1)
+    if t.dim() != 4:
+        raise ValueError(
+            f"fuser: rope expects {name} of shape [batch or 1, seq, rotary_dim] or 4-D broadcastable to "
+            f"[batch, 1, seq, rotary_dim], got {tuple(t.shape)}"
+        )
+    return t
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    rotary_dim: int | None = None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary position embedding of q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` (or None), fused, with autograd.
+
+    ``cos``/``sin``: ``[B | 1, T, R]`` (HF's rotary embedding output; unsqueezed on dim 1 here) or 4-D
+    broadcastable to ``[B, 1, T, R]``, in fp32 or the inputs' dtype. ``rotary_dim`` defaults to R; channels
+    from it on pass through. ``layout``: ``"half"`` (``rotate_half``), ``"interleaved"`` (GLM) or
+    ``"pairs_to_halves"`` (DeepSeek); see the module docstring. The maths runs in fp32; q_out and k_out are
+    contiguous, in q's / k's dtype. No gradient flows to cos and sin.
+    """
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(
+            "fuser: rope computes no gradient for cos/sin, but cos or sin requires grad; pass cos.detach() and "
+            "sin.detach() (or use the unfused formula if you train the rotary frequencies)"
+        )
+    cos, sin = _as_4d(cos, "cos"), _as_4d(sin, "sin")
+    rotary_dim = cos.shape[-1] if rotary_dim is None else int(rotary_dim)
+    q_out, k_out = torch.ops.fuser.rope(q, k if k is not None else q.new_empty(0), cos, sin, rotary_dim, layout)
+    return q_out, (k_out if k is not None else None)

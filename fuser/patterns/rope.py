@@ -1,0 +1,130 @@
+"""Rotary position embeddings, as the models write them.
+
+    Llama and most    x * cos + rotate_half(x) * sin,  rotate_half(x) = cat(-x[..., h:], x[..., :h])
+    Phi, GPT-NeoX     partial: cat(rope(x[..., :R]), x[..., R:])   (only the first R channels rotate)
+    GLM, Helium       interleaved: rotate_half(x) = stack(-x[..., 1::2], x[..., 0::2]).flatten(-2)
+                      (cos/sin repeat-interleaved by the model), also partial
+
+cos and sin are whatever the model computed (``attention_scaling`` included) and broadcast ``[B|1, 1, T, R]``.
+q and k of one attention layer rotated by the same cos/sin become one fused op (counted once); a tensor whose
+partner does not share cos/sin is rotated by the same op alone. Not yet matched: the ``view_as_complex`` form
+(Llama-4, DeepSeek-V2) and interleaved pairs written back as halves without a ``neg`` (DeepSeek-V3 lineage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
+from fuser.engine.canonical import module_path, tensor_meta
+from fuser.engine.match import Found, Op, S, V
+from fuser.patterns.base import Decline, EmptyLike, Pattern, Replacement, Variant
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rotate_half(x):
+    return Op("cat", Op("neg", Op("slice_last", x, S("h"), S("r_end"), 1)), Op("slice_last", x, 0, S("h"), 1), -1)
+
+
+def _rotate_interleaved(x):
+    pairs = Op(
+        "stack", Op("neg", Op("slice_last", x, 1, S("r_odd_end"), 2)), Op("slice_last", x, 0, S("r_even_end"), 2), -1
+    )
+    return Op("flatten", pairs, -2, -1)
+
+
+def _rope(x, rotate):
+    return Op("add", Op("mul", x, V("cos")), Op("mul", rotate(x), V("sin")))
+
+
+def _partial(rotate):
+    rot = Op("slice_last", V("x"), 0, S("R"), 1)
+    return Op("cat", _rope(rot, rotate), Op("slice_last", V("x"), S("R"), S("D"), 1), -1)
+
+
+VARIANTS = [
+    Variant("half, partial", _partial(_rotate_half)),
+    Variant("interleaved, partial", _partial(_rotate_interleaved)),
+    Variant("half", _rope(V("x"), _rotate_half)),
+    Variant("interleaved", _rope(V("x"), _rotate_interleaved)),
+]
+
+
+def check_rope(found: Found, variant: Variant) -> Replacement:
+    b = found.bindings
+    xt = tensor_meta(b["x"])
+    if xt.dim() != 4:
+        raise Decline(f"expects a 4-D [batch, heads, seq, head_dim] tensor, got rank {xt.dim()}")
+    head_dim = xt.shape[-1]
+    if not isinstance(head_dim, int):
+        raise Decline("head_dim is symbolic")
+    rotary_dim = b.get("R", head_dim)
+    if "D" in b and b["D"] != head_dim:
+        raise Decline(f"pass-through slice ends at {b['D']}, not at head_dim {head_dim}")
+    if "h" in b and (2 * b["h"] != rotary_dim or b["r_end"] != rotary_dim):
+        raise Decline(f"rotate_half splits at {b['h']}:{b['r_end']}, not at the halves of {rotary_dim}")
+    if "r_odd_end" in b and (b["r_odd_end"] != rotary_dim or b["r_even_end"] != rotary_dim):
+        raise Decline("interleaved pairs do not cover the rotary channels")
+    if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
+        raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
+    for name in ("cos", "sin"):
+        t = tensor_meta(b[name])
+        if t.dim() != 4 or t.shape[-1] != rotary_dim:
+            raise Decline(
+                f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (4-D, last dim)"
+            )
+        if not (isinstance(t.shape[1], int) and t.shape[1] == 1):
+            raise Decline(f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R]")
+        if t.dtype not in _FLOATS or t.requires_grad:
+            raise Decline(f"{name} must be a float tensor without gradient (got {t.dtype}, grad={t.requires_grad})")
+    out = tensor_meta(found.root)
+    if xt.dtype not in _FLOATS or out.dtype != xt.dtype:
+        raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype} (cos/sin of a wider dtype)")
+    layout = "interleaved" if variant.name.startswith("interleaved") else "half"
+    return Replacement(
+        torch.ops.fuser.rope.default,
+        (b["x"], EmptyLike(b["x"]), b["cos"], b["sin"], rotary_dim, layout),
+        output_index=0,
+    )
+
+
+def combine_q_and_k(matches: list) -> list:
+    """Pair the rotations of one attention layer that share cos, sin, rotary dim and layout into one op.
+
+    Pairs are consecutive in graph order, from the same module, with every input defined before both roots
+    (the fused op is inserted before the first of them).
+    """
+    graph_order = {node: i for i, node in enumerate(matches[0].found.root.graph.nodes)}
+    ordered = sorted(matches, key=lambda m: graph_order[m.found.root])
+    out, i = [], 0
+    while i < len(ordered):
+        first = ordered[i]
+        second = ordered[i + 1] if i + 1 < len(ordered) else None
+        if second is not None and _pairable(first, second, graph_order):
+            q_args, k_args = first.replacement.args, second.replacement.args
+            first.replacement = Replacement(
+                first.replacement.op,
+                (q_args[0], k_args[0], *q_args[2:]),
+                output_index=0,
+                extra_outputs=((second.found.root, 1),),
+            )
+            first.found = Found(first.found.root, first.found.bindings, first.found.nodes + second.found.nodes)
+            out.append(first)
+            i += 2
+        else:
+            out.append(first)
+            i += 1
+    return out
+
+
+def _pairable(a, b, graph_order) -> bool:
+    qa, qb = a.replacement.args, b.replacement.args
+    if qa[2:] != qb[2:] or module_path(a.found.root) != module_path(b.found.root):
+        return False
+    first_root = min(graph_order[a.found.root], graph_order[b.found.root])
+    inputs = [x for x in (qa[0], qb[0], qa[2], qa[3]) if isinstance(x, torch.fx.Node)]
+    return all(graph_order[x] < first_root for x in inputs)
+
+
+ROPE = Pattern("rope", VARIANTS, check_rope, anchors=frozenset(), combine=combine_q_and_k)

@@ -1,0 +1,154 @@
+"""Tier 1: the RoPE pattern on toy graphs — each spelling matches (q and k fused into one op) and equals eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuser
+
+B, HQ, HK, T, D = 2, 4, 2, 5, 16
+
+
+def rotate_half(x):  # Hugging Face
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_interleaved(x):  # GLM, Helium: pairs (x[2i], x[2i+1])
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def llama(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def partial(q, k, cos, sin):  # Phi, GPT-NeoX: only the first R channels rotate
+    cos, sin = cos.unsqueeze(1)[..., : D // 2], sin.unsqueeze(1)[..., : D // 2]
+    r = cos.shape[-1]
+    q_rot, q_pass, k_rot, k_pass = q[..., :r], q[..., r:], k[..., :r], k[..., r:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def glm_interleaved_partial(q, k, cos, sin):  # GLM-4: interleaved, partial, cos/sin repeat-interleaved
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)[..., : D // 2]
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)[..., : D // 2]
+    r = cos.shape[-1]
+    q_rot, q_pass, k_rot, k_pass = q[..., :r], q[..., r:], k[..., :r], k[..., r:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_interleaved(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_interleaved(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+def q_only(q, k, cos, sin):  # a lone rotation still fuses (into the same op, with no k)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), k * 2
+
+
+VARIANTS = [llama, partial, glm_interleaved_partial, q_only]
+
+
+def _inputs(dtype=torch.float32, requires_grad=False):
+    # q and k as Hugging Face makes them: [B, T, H, D] projections viewed as [B, H, T, D]
+    q = torch.randn(B, T, HQ, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, T, HK, D, dtype=dtype).transpose(1, 2)
+    angles = torch.randn(1, T, D // 2)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    if requires_grad:
+        q = q.detach().requires_grad_()
+        k = k.detach().requires_grad_()
+    return q, k, cos, sin
+
+
+@pytest.mark.parametrize("fn", VARIANTS, ids=lambda f: f.__name__)
+def test_variant_matches_as_one_op(fn):
+    report = fuser.explain(fn, *_inputs())
+    assert report.counts == {"rope": 1}, str(report)
+
+
+@pytest.mark.parametrize("fn", VARIANTS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_variant_forward_and_backward_equal_eager(fn, dtype):
+    q, k, cos, sin = _inputs(dtype, requires_grad=True)
+    q_ref, k_ref = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(q, k, cos, sin)
+    assert fuser.backend(config).counts == {"rope": 1}
+    ref = fn(q_ref, k_ref, cos, sin)
+    # fp32: same maths; fp16/bf16: eager rounds x*cos and rot(x)*sin before adding, fuser once at the end
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for o, r in zip(out, ref, strict=True):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        torch.testing.assert_close(o.float(), r.float(), rtol=tol, atol=tol)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    torch.testing.assert_close(q.grad.float(), q_ref.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(k.grad.float(), k_ref.grad.float(), rtol=tol, atol=tol)
+
+
+# --- near-misses --------------------------------------------------------------------------------------------
+
+
+def wrong_sign(q, k, cos, sin):  # cat(x2, -x1): not rotate_half
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    h = D // 2
+    rot = torch.cat((q[..., h:], -q[..., :h]), dim=-1)
+    return q * cos + rot * sin, k
+
+
+def halves_swapped(q, k, cos, sin):  # cat(-x1, x2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    h = D // 2
+    rot = torch.cat((-q[..., :h], q[..., h:]), dim=-1)
+    return q * cos + rot * sin, k
+
+
+def uneven_split(q, k, cos, sin):  # halves split at the wrong place
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = torch.cat((-q[..., 6:], q[..., :6]), dim=-1)
+    return q * cos + rot * sin, k
+
+
+@pytest.mark.parametrize("fn", [wrong_sign, halves_swapped, uneven_split], ids=lambda f: f.__name__)
+def test_near_miss_does_not_match(fn):
+    report = fuser.explain(fn, *_inputs())
+    assert report.counts == {}, str(report)
+
+
+def different_cos_for_q_and_k(q, k, cos, sin):
+    c1, s1 = cos.unsqueeze(1), sin.unsqueeze(1)
+    c2, s2 = (cos * 0.5).unsqueeze(1), (sin * 0.5).unsqueeze(1)
+    return (q * c1) + (rotate_half(q) * s1), (k * c2) + (rotate_half(k) * s2)
+
+
+def test_different_cos_for_q_and_k_are_not_fused_together():
+    report = fuser.explain(different_cos_for_q_and_k, *_inputs())
+    assert report.counts == {"rope": 2}, str(report)  # two lone rotations, never one op with one cos
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    inputs = _inputs()
+    out = torch.compile(different_cos_for_q_and_k, backend=fuser.backend(config))(*inputs)
+    for o, r in zip(out, different_cos_for_q_and_k(*inputs), strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def cos_not_of_rotary_width(q, k, cos, sin):
+    # cos/sin of width 1 broadcast over the channels: a valid computation, but not a rotation of width D
+    c, s_ = cos[..., :1].unsqueeze(1), sin[..., :1].unsqueeze(1)
+    return (q * c) + (rotate_half(q) * s_), k
+
+
+def test_rotary_dim_not_matching_cos_width_declines_with_reason():
+    report = fuser.explain(cos_not_of_rotary_width, *_inputs())
+    assert report.counts == {}, str(report)
+    assert any("does not match the rotary dim" in nm.reason for nm in report.near_misses), str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    inputs = _inputs()
+    out = torch.compile(cos_not_of_rotary_width, backend=fuser.backend(config))(*inputs)
+    torch.testing.assert_close(out[0], cos_not_of_rotary_width(*inputs)[0], rtol=1e-5, atol=1e-5)
