@@ -8,7 +8,16 @@ import pytest
 import torch
 
 import fuser
-from tests.models.tiny import ARCHS, batch, build, expected_norms, grads, rel, with_lora
+from tests.models.tiny import (
+    ARCHS,
+    assert_training_step_equals_eager,
+    batch,
+    build,
+    expected_norms,
+    grads,
+    rel,
+    with_lora,
+)
 
 ARCH_NAMES = list(ARCHS)
 STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
@@ -85,48 +94,23 @@ def _train_step(model, data, autocast=None):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_fp32_training_step_equals_eager(arch, lora):
     model = build(arch)
-    if lora:
-        model = with_lora(model)
-    reference = copy.deepcopy(model)
-    data = batch()
-    loss_ref = _train_step(reference, data)
-    loss = _train_step(fuser.optimize(model, STRICT), data)
+    assert_training_step_equals_eager(with_lora(model) if lora else model, STRICT)
     assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms(arch)
-    assert rel(loss, loss_ref) <= 1e-5
-    g, g_ref = grads(model), grads(reference)
-    assert g.keys() == g_ref.keys() and g
-    for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-4, name
 
 
 def test_fp32_training_step_through_inductor():
     """The default inner compiler: Inductor compiles the graph around the fused op (CPU: C++ codegen)."""
-    model = build("llama")
-    reference = copy.deepcopy(model)
-    data = batch()
-    loss_ref = _train_step(reference, data)
     config = fuser.FuserConfig(strict=True)
-    loss = _train_step(fuser.optimize(model, config), data)
+    assert_training_step_equals_eager(build("llama"), config)
     assert fuser.backend(config).counts["rms_norm"] == expected_norms("llama")
-    assert rel(loss, loss_ref) <= 1e-5
-    g, g_ref = grads(model), grads(reference)
-    for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-4, name
 
 
 def test_gradient_checkpointing_training_step_equals_eager():
     model = build("qwen3")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    reference = copy.deepcopy(model)
-    data = batch()
-    loss_ref = _train_step(reference, data)
-    loss = _train_step(fuser.optimize(model, STRICT), data)
+    assert_training_step_equals_eager(model, STRICT)
     assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms("qwen3")
-    assert rel(loss, loss_ref) <= 1e-5
-    g, g_ref = grads(model), grads(reference)
-    for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-4, name
 
 
 def _errors_vs_fp64(model_lowp, reference64, data, autocast=None):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 import fuser
-from tests.models.tiny import ROPE_ARCHS, batch, build_rope_arch, grads, rel, with_lora
+from tests.models.tiny import ROPE_ARCHS, assert_training_step_equals_eager, batch, build_rope_arch, with_lora
 
 STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 
@@ -25,16 +23,5 @@ def test_explain_counts_rope_under_lora():
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "glm4", "gpt_neox"])
 def test_fp32_training_step_equals_eager(arch):
-    model = build_rope_arch(arch)
-    reference = copy.deepcopy(model)
-    data = batch()
-    loss_ref = reference(**data).loss
-    loss_ref.backward()
-    loss = fuser.optimize(model, STRICT)(**data).loss
-    loss.backward()
+    assert_training_step_equals_eager(build_rope_arch(arch), STRICT)
     assert fuser.backend(STRICT).counts["rope"] == ROPE_ARCHS[arch][2]
-    assert rel(loss, loss_ref) <= 1e-5
-    g, g_ref = grads(model), grads(reference)
-    assert g.keys() == g_ref.keys() and g
-    for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-4, name

@@ -19,9 +19,9 @@ N_LAYERS = 2
 VOCAB = 128
 
 
-def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    cls_name, _ = ARCHS[arch]
-    config = getattr(transformers, cls_name)(
+def from_config(cls_name: str, extra: dict | None = None, seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight causal LM of ``transformers.<cls_name>`` (2 layers, hidden 64), dropout off."""
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -30,10 +30,15 @@ def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=256,
-        attn_implementation="sdpa",
     )
+    fields.update(extra or {})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**fields))
+    return model.eval()  # dropout off: eager and fuser must compute the same function
+
+
+def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    model = from_config(ARCHS[arch][0], {"attn_implementation": "sdpa"}, seed).to(dtype)
     # random norm weights, so a kernel that ignored the weight (or its 1 + w offset) would be caught
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -90,20 +95,7 @@ GATED_ARCHS = {
 
 def build_any(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
     cls_name, extra, _ = GATED_ARCHS[arch]
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=N_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    fields.update(extra)
-    torch.manual_seed(seed)
-    config = getattr(transformers, cls_name)(**fields)
-    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    return from_config(cls_name, extra, seed).to(dtype)
 
 
 def expected_mlp_counts(arch: str) -> dict[str, int]:
@@ -128,17 +120,22 @@ ROPE_ARCHS = {
 
 def build_rope_arch(arch: str, seed: int = 0) -> torch.nn.Module:
     cls_name, extra, _ = ROPE_ARCHS[arch]
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=N_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    fields.update(extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**fields))
-    return model.eval()  # dropout off: eager and fuser must see the same function
+    return from_config(cls_name, extra, seed)
+
+
+def assert_training_step_equals_eager(model: torch.nn.Module, config, data: dict | None = None) -> None:
+    """One fp32 forward+backward through ``fuser.optimize(model, config)`` against a deep copy run eagerly:
+    loss within 1e-5 relative, every parameter gradient within 1e-4 relative."""
+    import fuser
+
+    reference = copy.deepcopy(model)
+    data = data or batch()
+    loss_ref = reference(**data).loss
+    loss_ref.backward()
+    loss = fuser.optimize(model, config)(**data).loss
+    loss.backward()
+    assert rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(model), grads(reference)
+    assert g.keys() == g_ref.keys() and g
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-4, name
