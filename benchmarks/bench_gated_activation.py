@@ -39,13 +39,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import (
+    FAIL_ABOVE,
+    IMPLS,
+    fmt_err,
+    markdown_table,
+    measure_copy_ceiling,
+    rel_err,
+    timing_columns,
+)
 
 SWIGLU_SHAPES = [(i, rows) for i in (8192, 14336, 28672) for rows in (8192, 16384)]  # (intermediate, rows)
 GEGLU_SHAPES = [(16384, 8192)]
 DTYPE = torch.bfloat16
-FAIL_ABOVE = 2e-2
 NOMINAL_COPY_TBPS = 4.3  # H200 device-to-device copy, bytes read + written
-IMPLS = ("eager", "inductor", "liger", "fuser")
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -113,10 +120,6 @@ def make_impls(kind: str, fuser_ops: dict, liger_fns: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Checking and timing
 # ---------------------------------------------------------------------------------------------------------
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected).norm() / expected.norm()).item()
 
 
 def fp32_reference(kind: str, g: torch.Tensor, u: torch.Tensor, dout: torch.Tensor):
@@ -189,47 +192,9 @@ def time_impl(forward, g, u, dout) -> tuple[float, float, float]:
     return gpu, gpu_forward, launched
 
 
-def measure_copy_ceiling() -> float:
-    """Device-to-device copy bandwidth in GB/s, bytes read + written, over a 2 GiB buffer."""
-    import triton.testing
-
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    src.fill_(1)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    nbytes = 2 * src.numel() * src.element_size()
-    return nbytes / (ms * 1e-3) / 1e9
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------
-
-
-def fmt_ms(ms: float | None, err: float | None) -> str:
-    if err is None:
-        return "n/a"
-    if err > FAIL_ABOVE:
-        return "FAIL"
-    return f"{ms:.3f}"
-
-
-def fmt_err(err: float | None) -> str:
-    if err is None:
-        return "n/a"
-    return f"{err:.1e}" + (" FAIL" if err > FAIL_ABOVE else "")
-
-
-def timing_columns(times: dict, err: dict, nbytes: int, ceiling: float) -> list[str]:
-    """The ms of each implementation, then fuser's GB/s, % of the copy ceiling, and fuser / best other."""
-    others = [times[n] for n in ("eager", "inductor", "liger") if times[n] is not None]
-    if times["fuser"] is not None:
-        gbps = nbytes / (times["fuser"] * 1e-3) / 1e9
-        fuser_cols = [f"{gbps:.0f}", f"{gbps / ceiling:.0%}"]
-        ratio = f"{times['fuser'] / min(others):.2f}" if others else "n/a"
-    else:
-        fuser_cols, ratio = ["-", "-"], "-"
-    return [fmt_ms(times[n], err[n]) for n in IMPLS] + fuser_cols + [ratio]
 
 
 def bench_shape(kind: str, intermediate: int, rows: int, fuser_ops: dict, liger_fns: dict) -> tuple[dict, dict]:
@@ -257,12 +222,6 @@ def bench_shape(kind: str, intermediate: int, rows: int, fuser_ops: dict, liger_
     del reference, impls
     torch.cuda.empty_cache()
     return ms, err
-
-
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def run(args) -> str:

@@ -40,12 +40,20 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_common import (
+    FAIL_ABOVE,
+    IMPLS,
+    fmt_err,
+    markdown_table,
+    measure_copy_ceiling,
+    rel_err,
+    timing_columns,
+)
 
 SHAPES = ((1, 8192), (4, 2048), (2, 8192), (4, 4096), (4, 8192))  # (B, T): B·T = 8192, 8192, 16384, 16384, 32768
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 ROPE_THETA = 500000.0  # Llama 3
 DTYPE = torch.bfloat16
-FAIL_ABOVE = 2e-2
 NOMINAL_COPY_TBPS = 4.3  # H200 device-to-device copy, bytes read + written
 
 
@@ -135,10 +143,6 @@ def hf_views(q_proj: torch.Tensor, k_proj: torch.Tensor) -> tuple[torch.Tensor, 
     return q, k
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected).norm() / expected.norm()).item()
-
-
 def fp32_reference(q_proj, k_proj, cos, sin, dq_out, dk_out):
     """q_out, k_out, dq, dk of HF's formula computed entirely in fp32 (no bf16 rounding in between)."""
     q32 = q_proj.detach().float().requires_grad_()
@@ -197,50 +201,9 @@ def time_fwd_bwd(forward, q_proj, k_proj, cos, sin, dq_out, dk_out) -> tuple[flo
     return gpu, launched
 
 
-def measure_copy_ceiling() -> float:
-    """Device-to-device copy bandwidth in GB/s, bytes read + written, over a 2 GiB buffer."""
-    import triton.testing
-
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    src.fill_(1)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    nbytes = 2 * src.numel() * src.element_size()
-    return nbytes / (ms * 1e-3) / 1e9
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------
-
-
-def fmt_ms(ms: float | None, err: float | None) -> str:
-    if err is None:
-        return "n/a"
-    if err > FAIL_ABOVE:
-        return "FAIL"
-    return f"{ms:.3f}"
-
-
-def fmt_err(err: float | None) -> str:
-    if err is None:
-        return "n/a"
-    return f"{err:.1e}" + (" FAIL" if err > FAIL_ABOVE else "")
-
-
-IMPLS = ("eager", "inductor", "liger", "fuser")
-
-
-def timing_columns(times: dict, err: dict, nbytes: int, ceiling: float) -> list[str]:
-    """The ms of each implementation, then fuser's GB/s, % of the copy ceiling, and fuser / best other."""
-    others = [times[n] for n in ("eager", "inductor", "liger") if times[n] is not None]
-    if times["fuser"] is not None:
-        gbps = nbytes / (times["fuser"] * 1e-3) / 1e9
-        fuser_cols = [f"{gbps:.0f}", f"{gbps / ceiling:.0%}"]
-        ratio = f"{times['fuser'] / min(others):.2f}" if others else "n/a"
-    else:
-        fuser_cols, ratio = ["-", "-"], "-"
-    return [fmt_ms(times[n], err[n]) for n in IMPLS] + fuser_cols + [ratio]
 
 
 def bytes_moved(batch: int, seq_len: int, cos: torch.Tensor) -> int:
@@ -370,12 +333,6 @@ def run(args) -> str:
         ]
     )
     return report
-
-
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
