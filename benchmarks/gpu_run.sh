@@ -16,6 +16,6 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | 
   python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>/dev/null || echo "liger-kernel: not installed"
 } | tee "$OUT/versions.txt"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
-for bench in ${BENCHES:-rms_norm gated_activation mlp_block}; do
+for bench in ${BENCHES:-rms_norm gated_activation rope mlp_block}; do
   python3 "benchmarks/bench_${bench}.py" --out "$OUT/bench_${bench}.md" 2>&1 | tee "$OUT/bench_${bench}.log" | tail -30
 done

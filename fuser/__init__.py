@@ -8,6 +8,7 @@ from fuser.config import FuserConfig
 from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.kernels.gated_activation import geglu, swiglu
 from fuser.kernels.rms_norm import rms_norm
+from fuser.kernels.rope import rope
 from fuser.report import Report, explain
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "geglu",
     "optimize",
     "rms_norm",
+    "rope",
     "swiglu",
     "__version__",
 ]
