@@ -23,7 +23,7 @@ import torch.fx
 
 from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import Found, escaping_use, match_tree
-from fuser.patterns.base import Decline, EmptyLike, Pattern, Replacement
+from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
 
 log = logging.getLogger("fuser")
 
@@ -161,10 +161,7 @@ def apply_matches(result: RewriteResult) -> None:
         order = {node: i for i, node in enumerate(graph.nodes)}
         first = min((r for r, _ in outputs), key=order.__getitem__)
         with graph.inserting_before(first):
-            args = tuple(
-                graph.call_method("new_empty", (a.like, (0,))) if isinstance(a, EmptyLike) else a
-                for a in replacement.args
-            )
+            args = tuple(a.build(graph) if isinstance(a, ArgExpr) else a for a in replacement.args)
             call = graph.call_function(replacement.op, args)
         _copy_source_meta(root, call)
         for old, index in outputs:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx
 
 from fuser.engine.match import Found
@@ -23,12 +24,33 @@ class Variant:
     tree: Any
 
 
-@dataclass(frozen=True)
-class EmptyLike:
-    """An argument the rewrite materialises as ``like.new_empty(0)``: a 0-element tensor standing for "absent"
-    where a custom op cannot take ``None`` in that position."""
+class ArgExpr:
+    """A replacement argument that the rewrite builds in the graph, right before the fused op."""
 
-    like: Node
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class EmptyLike(ArgExpr):
+    """``source.new_empty(0)``: a 0-element tensor standing for "absent" where a custom op cannot take ``None``."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("new_empty", (self.source, (0,)))
+
+
+@dataclass(frozen=True)
+class RepeatHalves(ArgExpr):
+    """``cat([source, source], -1)``: per-pair cos/sin of width R/2 spread over both halves of width R."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_function(torch.cat, ([self.source, self.source],), {"dim": -1})
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@
 
 cos and sin are whatever the model computed (``attention_scaling`` included) and broadcast ``[B|1, 1, T, R]``.
 q and k of one attention layer rotated by the same cos/sin become one fused op (counted once); a tensor whose
-partner does not share cos/sin is rotated by the same op alone. Not yet matched: the ``view_as_complex`` form
-(Llama-4, DeepSeek-V2) and interleaved pairs written back as halves without a ``neg`` (DeepSeek-V3 lineage).
+partner does not share cos/sin is rotated by the same op alone.
+
+    DeepSeek-V3       cat([x1*c - x2*s, x2*c + x1*s]) with x1 = x[..., 0::2], x2 = x[..., 1::2]: interleaved
+                      pairs in, halves out, no ``neg``; c, s of width R/2
+
+Not yet matched: the ``view_as_complex`` form (Llama-4, DeepSeek-V2).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser.engine.canonical import module_path, tensor_meta
 from fuser.engine.match import Found, Op, S, V
-from fuser.patterns.base import Decline, EmptyLike, Pattern, Replacement, Variant
+from fuser.patterns.base import ArgExpr, Decline, EmptyLike, Pattern, RepeatHalves, Replacement, Variant
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -38,6 +42,14 @@ def _rope(x, rotate):
     return Op("add", Op("mul", x, V("cos")), Op("mul", rotate(x), V("sin")))
 
 
+def _pairs_to_halves():
+    """DeepSeek-V3 lineage: interleaved pairs in, halves out, no ``neg``; cos/sin of width R/2 (one per pair)."""
+    x1, x2 = Op("slice_last", V("x"), 0, S("r_even_end"), 2), Op("slice_last", V("x"), 1, S("r_odd_end"), 2)
+    first = Op("sub", Op("mul", x1, V("cos")), Op("mul", x2, V("sin")))
+    second = Op("add", Op("mul", x2, V("cos")), Op("mul", x1, V("sin")))
+    return Op("cat", first, second, -1)
+
+
 def _partial(rotate):
     rot = Op("slice_last", V("x"), 0, S("R"), 1)
     return Op("cat", _rope(rot, rotate), Op("slice_last", V("x"), S("R"), S("D"), 1), -1)
@@ -48,6 +60,7 @@ VARIANTS = [
     Variant("interleaved, partial", _partial(_rotate_interleaved)),
     Variant("half", _rope(V("x"), _rotate_half)),
     Variant("interleaved", _rope(V("x"), _rotate_interleaved)),
+    Variant("pairs to halves", _pairs_to_halves()),
 ]
 
 
@@ -68,9 +81,11 @@ def check_rope(found: Found, variant: Variant) -> Replacement:
         raise Decline("interleaved pairs do not cover the rotary channels")
     if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
         raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
+    pairs_to_halves = variant.name == "pairs to halves"
+    cos_width = rotary_dim // 2 if pairs_to_halves else rotary_dim
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
-        if t.dim() != 4 or t.shape[-1] != rotary_dim:
+        if t.dim() != 4 or t.shape[-1] != cos_width:
             raise Decline(
                 f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (4-D, last dim)"
             )
@@ -81,10 +96,13 @@ def check_rope(found: Found, variant: Variant) -> Replacement:
     out = tensor_meta(found.root)
     if xt.dtype not in _FLOATS or out.dtype != xt.dtype:
         raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype} (cos/sin of a wider dtype)")
-    layout = "interleaved" if variant.name.startswith("interleaved") else "half"
+    if pairs_to_halves:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
+        layout, cos, sin = "pairs_to_halves", RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
+    else:
+        layout, cos, sin = ("interleaved" if variant.name.startswith("interleaved") else "half"), b["cos"], b["sin"]
     return Replacement(
         torch.ops.fuser.rope.default,
-        (b["x"], EmptyLike(b["x"]), b["cos"], b["sin"], rotary_dim, layout),
+        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, layout),
         output_index=0,
     )
 
@@ -123,7 +141,8 @@ def _pairable(a, b, graph_order) -> bool:
     if qa[2:] != qb[2:] or module_path(a.found.root) != module_path(b.found.root):
         return False
     first_root = min(graph_order[a.found.root], graph_order[b.found.root])
-    inputs = [x for x in (qa[0], qb[0], qa[2], qa[3]) if isinstance(x, torch.fx.Node)]
+    inputs = [x.source if isinstance(x, ArgExpr) else x for x in (qa[0], qb[0], qa[2], qa[3])]
+    inputs = [x for x in inputs if isinstance(x, torch.fx.Node)]
     return all(graph_order[x] < first_root for x in inputs)
 
 

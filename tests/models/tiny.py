@@ -112,6 +112,27 @@ ROPE_ARCHS = {
     "glm4": ("Glm4Config", {"partial_rotary_factor": 0.5, "pad_token_id": 0}, N_LAYERS),  # interleaved, partial
     "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}, N_LAYERS),  # partial rotate_half
     "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "hidden_dropout": 0.0, "attention_dropout": 0.0}, N_LAYERS),
+    # MLA with interleaved pairs written back as halves, no neg (rope_interleave=True, the default)
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+            "pad_token_id": 0,
+        },
+        N_LAYERS,
+    ),
     # no RoPE at all
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": N_LAYERS, "n_head": 4}, 0),
     "bloom": ("BloomConfig", {"n_layer": N_LAYERS, "n_head": 4}, 0),

@@ -45,12 +45,22 @@ def glm_interleaved_partial(q, k, cos, sin):  # GLM-4: interleaved, partial, cos
     return q_embed, k_embed
 
 
+def deepseek_v3(q, k, cos, sin):  # interleaved pairs in, halves out, no neg; cos/sin of width R/2
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+
+
 def q_only(q, k, cos, sin):  # a lone rotation still fuses (into the same op, with no k)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), k * 2
 
 
-VARIANTS = [llama, partial, glm_interleaved_partial, q_only]
+VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, q_only]
 
 
 def _inputs(dtype=torch.float32, requires_grad=False):
@@ -116,7 +126,16 @@ def uneven_split(q, k, cos, sin):  # halves split at the wrong place
     return q * cos + rot * sin, k
 
 
-@pytest.mark.parametrize("fn", [wrong_sign, halves_swapped, uneven_split], ids=lambda f: f.__name__)
+def deepseek_wrong_pairing(q, k, cos, sin):  # odd channel where the even one belongs: not a rotation
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([q1 * cos - q2 * sin, q1 * cos + q2 * sin], dim=-1), k
+
+
+@pytest.mark.parametrize(
+    "fn", [wrong_sign, halves_swapped, uneven_split, deepseek_wrong_pairing], ids=lambda f: f.__name__
+)
 def test_near_miss_does_not_match(fn):
     report = fuser.explain(fn, *_inputs())
     assert report.counts == {}, str(report)
