@@ -66,6 +66,8 @@ _FUNCTIONS = _fn_names(
     (torch.concat, "cat"),
     (torch.stack, "stack"),
     (torch.flatten, "flatten"),
+    (torch.view_as_complex, "view_as_complex"),
+    (torch.view_as_real, "view_as_real"),
 )
 _METHODS = {
     "mul": "mul",
@@ -84,6 +86,9 @@ _METHODS = {
     "sigmoid": "sigmoid",
     "chunk": "chunk",
     "flatten": "flatten",
+    "reshape": "reshape",
+    "view": "reshape",
+    "unsqueeze": "unsqueeze",
 }
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -167,6 +172,12 @@ def _structural(node: Node, op: str) -> Canon | None:
         return None
     if isinstance(meta_value(args[0]), (tuple, list)):
         return Canon("getitem", (args[0], args[1])) if isinstance(args[1], int) else None
+    index = args[1]
+    if isinstance(index, tuple) and index.count(None) == 1 and all(i == slice(None) for i in index if i is not None):
+        out = tensor_meta(node)
+        xt = tensor_meta(args[0])
+        if out is not None and xt is not None and out.dim() == xt.dim() + 1 and len(index) == out.dim():
+            return Canon("unsqueeze", (args[0], index.index(None) - out.dim()))
     return _last_dim_slice(args[0], args[1])
 
 
@@ -189,6 +200,29 @@ def _last_dim_slice(x: Node, index: Any) -> Canon | None:
     if step < 1:
         return None
     return Canon("slice_last", (x, start, stop, step))
+
+
+def _reshaping(node: Node, op: str) -> Canon | None:
+    """Two shape changes complex-number RoPE uses: ``split_pairs(x)`` (``[..., D] → [..., D/2, 2]``, any
+    ``reshape``/``view`` spelling of it) and ``unsqueeze(x, dim)`` with ``dim`` negative in the result."""
+    from fuser._compat import statically_equal
+
+    x = node.args[0] if node.args else None
+    xt, out = tensor_meta(x), tensor_meta(node)
+    if xt is None or out is None or node.kwargs:
+        return None
+    if op == "unsqueeze":
+        if len(node.args) != 2 or not isinstance(node.args[1], int):
+            return None
+        dim = node.args[1]
+        return Canon("unsqueeze", (x, dim - out.dim() if dim >= 0 else dim))
+    if out.dim() != xt.dim() + 1 or xt.dim() == 0:
+        return None
+    same_lead = all(statically_equal(a, b) for a, b in zip(out.shape[:-2], xt.shape[:-1], strict=False))
+    d, pairs, two = xt.shape[-1], out.shape[-2], out.shape[-1]
+    if same_lead and isinstance(d, int) and two == 2 and pairs * 2 == d:
+        return Canon("split_pairs", (x,))
+    return None
 
 
 def _joining(node: Node, op: str) -> Canon | None:
@@ -279,6 +313,10 @@ def canonical(node: Any) -> Canon | None:
         return _structural(node, op)
     if op in ("cat", "stack", "flatten"):
         return _joining(node, op)
+    if op in ("view_as_complex", "view_as_real") and len(node.args) == 1 and not node.kwargs:
+        return Canon(op, (node.args[0],))
+    if op in ("reshape", "unsqueeze"):
+        return _reshaping(node, op)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

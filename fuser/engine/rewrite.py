@@ -166,9 +166,11 @@ def apply_matches(result: RewriteResult) -> None:
         _copy_source_meta(root, call)
         for old, index in outputs:
             fused = call
-            if index is not None:
-                with graph.inserting_before(first):
+            with graph.inserting_before(first):
+                if index is not None:
                     fused = graph.call_function(operator.getitem, (call, index))
+                if replacement.transpose_outputs_12:
+                    fused = graph.call_method("transpose", (fused, 1, 2))
             _copy_source_meta(old, fused)
             if "example_value" in old.meta:
                 fused.meta["example_value"] = old.meta["example_value"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,31 @@ class RepeatHalves(ArgExpr):
 
 
 @dataclass(frozen=True)
+class Transposed12(ArgExpr):
+    """``source.transpose(1, 2)``: a ``[B, T, H, D]`` tensor viewed as ``[B, H, T, D]`` (no copy)."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("transpose", (self.source, 1, 2))
+
+
+@dataclass(frozen=True)
+class InterleavedFromComplex(ArgExpr):
+    """The real (``part=0``) or imaginary (``part=1``) part of complex per-pair rotations ``[B|1, T, R/2]``,
+    repeated for both channels of each pair and broadcast over heads: ``[B|1, 1, T, R]`` (cos or sin)."""
+
+    source: Node
+    part: int
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        parts = graph.call_function(torch.view_as_real, (self.source,))
+        one = graph.call_function(operator.getitem, (parts, (Ellipsis, self.part)))
+        both = graph.call_method("repeat_interleave", (one, 2), {"dim": -1})
+        return graph.call_method("unsqueeze", (both, 1))
+
+
+@dataclass(frozen=True)
 class Replacement:
     """One call to a fused op that takes the place of ``root``."""
 
@@ -62,6 +88,8 @@ class Replacement:
     output_index: int | None = None  # the op returns a tuple: the block's value is this element
     # a combined match (q and k rotated by one op) replaces more roots: (root node, output index) for each
     extra_outputs: tuple[tuple[Node, int], ...] = ()
+    # the op computes in [B, H, T, D] what the block returns as [B, T, H, D]: transpose each output back
+    transpose_outputs_12: bool = False
 
 
 @dataclass

@@ -12,17 +12,30 @@ partner does not share cos/sin is rotated by the same op alone.
     DeepSeek-V3       cat([x1*c - x2*s, x2*c + x1*s]) with x1 = x[..., 0::2], x2 = x[..., 1::2]: interleaved
                       pairs in, halves out, no ``neg``; c, s of width R/2
 
-Not yet matched: the ``view_as_complex`` form (Llama-4, DeepSeek-V2).
+    Llama-4 text      view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * freqs_cis[:, :, None]).flatten(3)
+                      on [B, T, H, D]: the op runs on the [B, H, T, D] view, with cos/sin taken from freqs_cis
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
-from fuser.engine.canonical import module_path, tensor_meta
-from fuser.engine.match import Found, Op, S, V
-from fuser.patterns.base import ArgExpr, Decline, EmptyLike, Pattern, RepeatHalves, Replacement, Variant
+from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
+from fuser.engine.match import Found, Op, OptCast, S, V
+from fuser.patterns.base import (
+    ArgExpr,
+    Decline,
+    EmptyLike,
+    InterleavedFromComplex,
+    Pattern,
+    RepeatHalves,
+    Replacement,
+    Transposed12,
+    Variant,
+)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -50,6 +63,14 @@ def _pairs_to_halves():
     return Op("cat", first, second, -1)
 
 
+def _complex():
+    """Llama-4 text, DeepSeek-V2: ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * f[:, :, None])
+    .flatten(3)`` on ``[B, T, H, D]`` with complex per-pair rotations ``f`` of shape ``[B|1, T, D/2]``."""
+    z = Op("view_as_complex", Op("split_pairs", V("x")))
+    rotated = Op("mul", z, Op("unsqueeze", V("freqs"), -2))
+    return OptCast(Op("flatten", Op("view_as_real", rotated), -2, -1), "out_cast")
+
+
 def _partial(rotate):
     rot = Op("slice_last", V("x"), 0, S("R"), 1)
     return Op("cat", _rope(rot, rotate), Op("slice_last", V("x"), S("R"), S("D"), 1), -1)
@@ -61,10 +82,33 @@ VARIANTS = [
     Variant("half", _rope(V("x"), _rotate_half)),
     Variant("interleaved", _rope(V("x"), _rotate_interleaved)),
     Variant("pairs to halves", _pairs_to_halves()),
+    Variant("complex", _complex()),
 ]
 
 
+def check_complex_rope(found: Found) -> Replacement:
+    b = found.bindings
+    x = strip_exact_upcast(b["x"])
+    xt, ft, out = tensor_meta(x), tensor_meta(b["freqs"]), tensor_meta(found.root)
+    if xt.dim() != 4 or not isinstance(xt.shape[-1], int):
+        raise Decline(f"complex RoPE expects a 4-D [batch, seq, heads, head_dim] tensor, got {tuple(xt.shape)}")
+    head_dim = xt.shape[-1]
+    if ft.dtype != torch.complex64 or ft.dim() != 3 or ft.shape[-1] != head_dim // 2 or ft.requires_grad:
+        raise Decline(f"rotations of shape {tuple(ft.shape)} {ft.dtype} are not complex64 [B|1, T, {head_dim // 2}]")
+    if xt.dtype not in _FLOATS or out.dtype != xt.dtype:
+        raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype}")
+    cos, sin = InterleavedFromComplex(b["freqs"], 0), InterleavedFromComplex(b["freqs"], 1)
+    return Replacement(
+        torch.ops.fuser.rope.default,
+        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, "interleaved"),
+        output_index=0,
+        transpose_outputs_12=True,
+    )
+
+
 def check_rope(found: Found, variant: Variant) -> Replacement:
+    if variant.name == "complex":
+        return check_complex_rope(found)
     b = found.bindings
     xt = tensor_meta(b["x"])
     if xt.dim() != 4:
@@ -121,9 +165,9 @@ def combine_q_and_k(matches: list) -> list:
         second = ordered[i + 1] if i + 1 < len(ordered) else None
         if second is not None and _pairable(first, second, graph_order):
             q_args, k_args = first.replacement.args, second.replacement.args
-            first.replacement = Replacement(
-                first.replacement.op,
-                (q_args[0], k_args[0], *q_args[2:]),
+            first.replacement = dataclasses.replace(
+                first.replacement,
+                args=(q_args[0], k_args[0], *q_args[2:]),
                 output_index=0,
                 extra_outputs=((second.found.root, 1),),
             )

@@ -21,7 +21,7 @@ def test_explain_counts_rope_under_lora():
     assert report.counts.get("rope", 0) == ROPE_ARCHS["phi3"][2], str(report)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "glm4", "gpt_neox", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "glm4", "gpt_neox", "deepseek_v3", "llama4_text"])
 def test_fp32_training_step_equals_eager(arch):
     assert_training_step_equals_eager(build_rope_arch(arch), STRICT)
     assert fuser.backend(STRICT).counts["rope"] == ROPE_ARCHS[arch][2]

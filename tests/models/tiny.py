@@ -133,6 +133,18 @@ ROPE_ARCHS = {
         },
         N_LAYERS,
     ),
+    # view_as_complex rotation of [B, T, H, D] (no_rope_layers: 1 = this layer uses RoPE)
+    "llama4_text": (
+        "Llama4TextConfig",
+        {
+            "intermediate_size_mlp": 96,
+            "num_local_experts": 2,
+            "interleave_moe_layer_step": 1,
+            "no_rope_layers": [1] * N_LAYERS,
+            "pad_token_id": 0,
+        },
+        N_LAYERS,
+    ),
     # no RoPE at all
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": N_LAYERS, "n_head": 4}, 0),
     "bloom": ("BloomConfig", {"n_layer": N_LAYERS, "n_head": 4}, 0),

@@ -171,3 +171,45 @@ def test_rotary_dim_not_matching_cos_width_declines_with_reason():
     inputs = _inputs()
     out = torch.compile(cos_not_of_rotary_width, backend=fuser.backend(config))(*inputs)
     torch.testing.assert_close(out[0], cos_not_of_rotary_width(*inputs)[0], rtol=1e-5, atol=1e-5)
+
+
+def llama4_complex(xq, xk, freqs_cis):  # Llama-4 text: complex rotation of [B, T, H, D]
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_complex_form_matches_as_one_op_and_equals_eager(dtype):
+    xq = torch.randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
+    xk = torch.randn(B, T, HK, D, dtype=dtype, requires_grad=True)
+    freqs_cis = torch.polar(torch.ones(1, T, D // 2), torch.randn(1, T, D // 2))
+    assert fuser.explain(llama4_complex, xq, xk, freqs_cis).counts == {"rope": 1}
+    xq_ref, xk_ref = xq.detach().clone().requires_grad_(), xk.detach().clone().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(llama4_complex, backend=fuser.backend(config))(xq, xk, freqs_cis)
+    assert fuser.backend(config).counts == {"rope": 1}
+    ref = llama4_complex(xq_ref, xk_ref, freqs_cis)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    for o, r in zip(out, ref, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        torch.testing.assert_close(o.float(), r.float(), rtol=tol, atol=tol)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    torch.testing.assert_close(xq.grad.float(), xq_ref.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(xk.grad.float(), xk_ref.grad.float(), rtol=tol, atol=tol)
+
+
+def test_complex_form_with_a_per_head_rotation_declines():
+    """Rotations that differ per head ([B, T, H, D/2] complex) are not the broadcast cos/sin the op takes."""
+
+    def per_head(xq, freqs):
+        z = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs).flatten(3).type_as(xq)
+
+    xq = torch.randn(B, T, HQ, D)
+    freqs = torch.polar(torch.ones(B, T, HQ, D // 2), torch.randn(B, T, HQ, D // 2))
+    assert fuser.explain(per_head, xq, freqs).counts == {}
