@@ -1,4 +1,4 @@
-"""When the fused ops take their Triton path, and the Triton import itself.
+"""When the fused ops take their Triton path, the Triton import itself, and the reference compute dtype.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except
 when ``TRITON_INTERPRET=1`` and ``FUSER_CPU_TRITON=1`` are both set: then the Triton kernels run through
@@ -20,6 +20,11 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
     HAS_TRITON = False
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the reference paths compute in: fp32, or fp64 for fp64 inputs (the test oracle)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def interpreting() -> bool:

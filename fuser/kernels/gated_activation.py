@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -102,10 +102,6 @@ def _check_packed(gate_up: torch.Tensor, gate_up_lora: torch.Tensor | None, acti
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _reference_activation_and_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(g), act'(g)) by the module docstring's formulas, in g's (compute) dtype."""
     if activation == "silu":
@@ -124,7 +120,7 @@ def _reference_sum(base: torch.Tensor, lora: torch.Tensor | None, scale: float) 
     """base + scale · lora in the compute dtype, rounded to the input dtype (None without a LoRA term)."""
     if lora is None:
         return None
-    compute = _compute_dtype(base)
+    compute = compute_dtype(base)
     return (base.to(compute) + scale * lora.to(compute)).to(base.dtype)
 
 
@@ -138,7 +134,7 @@ def gated_activation_reference_forward(
     up_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(out, g, u) in the inputs' dtype; g / u are the LoRA sums (None without the LoRA term)."""
-    compute = _compute_dtype(gate)
+    compute = compute_dtype(gate)
     gate_sum = _reference_sum(gate, gate_lora, gate_scale)
     up_sum = _reference_sum(up, up_lora, up_scale)
     g = (gate if gate_sum is None else gate_sum).to(compute)
@@ -164,7 +160,7 @@ def gated_activation_reference_backward(
     """The hand-written backward (not autograd of the forward): (dgate, dup, dgate_lora, dup_lora), or None where
     not asked for; the LoRA gradients in ``*_lora_dtype`` (default g's dtype), the others in g's dtype. ``g``
     and ``u`` are what the forward saved (the sums under LoRA)."""
-    compute = _compute_dtype(g)
+    compute = compute_dtype(g)
     gc, uc, dc = g.to(compute), u.to(compute), dout.to(compute)
     act, dact = _reference_activation_and_grad(gc, activation)
     dgate = dup = dgate_lora = dup_lora = None

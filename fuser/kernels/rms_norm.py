@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, num_programs_for, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, compute_dtype, num_programs_for, tl, triton, use_triton
 
 # ---------------------------------------------------------------------------------------------------------
 # Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def rms_norm_reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd per row, fp32 (fp64 for fp64 inputs), shape ``x.shape[:-1]``."""
-    xc = x.to(_compute_dtype(x))
+    xc = x.to(compute_dtype(x))
     return torch.rsqrt(xc.pow(2).mean(-1) + eps)
 
 
@@ -46,7 +42,7 @@ def rms_norm_reference_forward(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Forward in fp32 (fp64 for fp64 inputs); the result in ``out_dtype`` (default: x's dtype)."""
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     xc = x.to(compute)
     # compute rstd
     rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
@@ -71,7 +67,7 @@ def rms_norm_reference_backward(
 
     ``rstd`` (shape ``x.shape[:-1]``) is the forward's saved statistic; without it, it is recomputed.
     """
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     xc = x.to(compute)
     dyc = dy.to(compute)
     n_cols = x.shape[-1]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
 
 LAYOUTS = ("half", "interleaved", "pairs_to_halves")
 # (input pairs interleaved, output pairs interleaved) per layout: halves (x[i], x[i+h]) otherwise
@@ -95,10 +95,6 @@ def _check_inputs(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _split(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The two channels of every pair among the first ``rotary_dim``: (t[2i], t[2i+1]) or (t[i], t[i+h])."""
     if interleaved:
@@ -121,7 +117,7 @@ def _rotate_reference(
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     in_pairs, out_pairs = _PAIRING[layout]
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     xc = x.to(compute)
     cos_p, cos_o = _split(cos.to(compute), rotary_dim, out_pairs)  # cos at the output channels p and o
     sin_p, sin_o = _split(sin.to(compute), rotary_dim, out_pairs)

@@ -15,6 +15,10 @@ from fuser.engine.match import Found
 Node = torch.fx.Node
 
 
+# the dtypes the fused ops compute for (in fp32 internally); anything else is left to the inner compiler
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 class Decline(Exception):
     """Raised by a pattern's ``check`` when a structural match is not safe to replace; the text says why."""
 

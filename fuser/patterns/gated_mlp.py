@@ -22,9 +22,7 @@ import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 
 def _maybe_lora(name: str) -> OneOf:
@@ -95,7 +93,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
         activation = _GELU_MODES[b["approximate"]]
     bases = ["gate_up"] if variant.name == "packed" else ["gate", "up"]
     tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
-    if any(t.dtype not in _FLOATS for t in tensors.values()):
+    if any(t.dtype not in FLOAT_DTYPES for t in tensors.values()):
         raise Decline(f"dtypes {[str(t.dtype) for t in tensors.values()]} are not all fp16/bf16/fp32")
     base_dtypes = {tensors[n].dtype for n in bases}
     if len(base_dtypes | {out.dtype}) != 1:

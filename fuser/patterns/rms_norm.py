@@ -22,9 +22,7 @@ import torch
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
 from fuser.engine.canonical import strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 h = V("h")
 eps = S("eps")
@@ -59,7 +57,7 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
     b = found.bindings
     x = strip_exact_upcast(b["h"])
     xt = tensor_meta(x)
-    if xt.dtype not in _FLOATS:
+    if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not fp16/bf16/fp32 (the fused op computes in fp32)")
     if xt.dim() == 0:
         raise Decline("input is a scalar")
@@ -82,11 +80,11 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
         wt = tensor_meta(w)
         if wt.dim() != 1 or wt.shape[0] != n_cols:
             raise Decline(f"weight of shape {tuple(wt.shape)} does not broadcast over the last dim ({n_cols}) alone")
-        if wt.dtype not in _FLOATS:
+        if wt.dtype not in FLOAT_DTYPES:
             raise Decline(f"weight dtype {wt.dtype} is not fp16/bf16/fp32")
 
     out = tensor_meta(found.root)
-    if out.dim() != xt.dim() or out.dtype not in _FLOATS:
+    if out.dim() != xt.dim() or out.dtype not in FLOAT_DTYPES:
         raise Decline(f"result of rank {out.dim()} and dtype {out.dtype} is not a norm of the input")
 
     norm_dtype = b.get("norm_dtype")

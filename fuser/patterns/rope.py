@@ -26,6 +26,7 @@ import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
 from fuser.patterns.base import (
+    FLOAT_DTYPES,
     ArgExpr,
     Decline,
     EmptyLike,
@@ -36,8 +37,6 @@ from fuser.patterns.base import (
     Transposed12,
     Variant,
 )
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _rotate_half(x):
@@ -95,7 +94,7 @@ def check_complex_rope(found: Found) -> Replacement:
     head_dim = xt.shape[-1]
     if ft.dtype != torch.complex64 or ft.dim() != 3 or ft.shape[-1] != head_dim // 2 or ft.requires_grad:
         raise Decline(f"rotations of shape {tuple(ft.shape)} {ft.dtype} are not complex64 [B|1, T, {head_dim // 2}]")
-    if xt.dtype not in _FLOATS or out.dtype != xt.dtype:
+    if xt.dtype not in FLOAT_DTYPES or out.dtype != xt.dtype:
         raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype}")
     cos, sin = InterleavedFromComplex(b["freqs"], 0), InterleavedFromComplex(b["freqs"], 1)
     return Replacement(
@@ -135,10 +134,10 @@ def check_rope(found: Found, variant: Variant) -> Replacement:
             )
         if not (isinstance(t.shape[1], int) and t.shape[1] == 1):
             raise Decline(f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R]")
-        if t.dtype not in _FLOATS or t.requires_grad:
+        if t.dtype not in FLOAT_DTYPES or t.requires_grad:
             raise Decline(f"{name} must be a float tensor without gradient (got {t.dtype}, grad={t.requires_grad})")
     out = tensor_meta(found.root)
-    if xt.dtype not in _FLOATS or out.dtype != xt.dtype:
+    if xt.dtype not in FLOAT_DTYPES or out.dtype != xt.dtype:
         raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype} (cos/sin of a wider dtype)")
     if pairs_to_halves:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
         layout, cos, sin = "pairs_to_halves", RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
