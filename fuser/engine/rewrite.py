@@ -105,8 +105,9 @@ def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: s
                 others = [m for m in result.matches if not (m.graph_name == graph_name and m.pattern == pattern.name)]
                 result.matches = others + pattern.combine(mine)
     covered = {n for m in result.matches if m.graph_name == graph_name for n in m.found.nodes}
+    explained = {nm.node for nm in result.near_misses}
     for pattern, node in anchors:
-        if node not in covered and not any(nm.node is node for nm in result.near_misses):
+        if node not in covered and node not in explained:
             reason = f"`{node.format_node()}` looked like part of {pattern.name} but no variant matched around it"
             result.near_misses.append(NearMiss(pattern.name, node, reason, graph_name))
             log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), reason)
@@ -153,12 +154,15 @@ def _copy_source_meta(source: Node, target: Node) -> None:
 
 def apply_matches(result: RewriteResult) -> None:
     """Phase 2: replace each match's root by its fused op; erase interior nodes left without users."""
+    # positions of the original nodes, taken once per graph: insertions never reorder the roots among themselves
+    order: dict[Node, int] = {}
+    for graph in {m.found.root.graph for m in result.matches}:
+        order.update((node, i) for i, node in enumerate(graph.nodes))
     for match in result.matches:
         root = match.found.root
         graph = root.graph
         replacement = match.replacement
         outputs = [(root, replacement.output_index), *replacement.extra_outputs]
-        order = {node: i for i, node in enumerate(graph.nodes)}
         first = min((r for r, _ in outputs), key=order.__getitem__)
         with graph.inserting_before(first):
             args = tuple(a.build(graph) if isinstance(a, ArgExpr) else a for a in replacement.args)
