@@ -14,7 +14,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
-from fuser.engine.rewrite import RewriteResult, rewrite
+from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
 
 log = logging.getLogger("fuser")
@@ -69,11 +69,7 @@ class FuserBackend:
     @property
     def counts(self) -> dict[str, int]:
         """Fused ops emitted so far, summed over every graph this backend compiled (graph breaks included)."""
-        counts: dict[str, int] = {}
-        for result in self.results:
-            for name, n in result.counts.items():
-                counts[name] = counts.get(name, 0) + n
-        return counts
+        return count_by_pattern(m for result in self.results for m in result.matches)
 
     @property
     def last_result(self) -> RewriteResult | None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fuser.config import FuserConfig
-from fuser.engine.rewrite import Match, NearMiss, find_matches
+from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.patterns import PATTERNS
 
 
@@ -59,7 +59,6 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
         return gm.forward
 
     torch.compile(target, backend=capture)(*args, **kwargs)
-    for m in report.matches:
-        report.counts[m.pattern] = report.counts.get(m.pattern, 0) + 1
+    report.counts = count_by_pattern(report.matches)
     report.graph_breaks = max(report.graphs - 1, 0)
     return report

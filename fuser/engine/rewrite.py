@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -66,10 +68,12 @@ class RewriteResult:
 
     @property
     def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for m in self.matches:
-            counts[m.pattern] = counts.get(m.pattern, 0) + 1
-        return counts
+        return count_by_pattern(self.matches)
+
+
+def count_by_pattern(matches: Iterable[Match]) -> dict[str, int]:
+    """Pattern name → fused ops emitted (a combined q+k RoPE match is one op)."""
+    return dict(Counter(m.pattern for m in matches))
 
 
 def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
