@@ -115,6 +115,11 @@ def dtype_of(value: Any) -> torch.dtype | None:
     return t.dtype if t is not None else None
 
 
+def _negative_dim(dim: int, ndim: int) -> int:
+    """``dim`` of a rank-``ndim`` tensor as a negative index (the canonical form of every dim argument)."""
+    return dim - ndim if dim >= 0 else dim
+
+
 def _normalise_dims(dims: Any, ndim: int) -> tuple[int, ...] | None:
     if dims is None:
         return None
@@ -122,7 +127,7 @@ def _normalise_dims(dims: Any, ndim: int) -> tuple[int, ...] | None:
         dims = (dims,)
     if not all(isinstance(d, int) for d in dims):
         return None
-    return tuple(sorted(d - ndim if d >= 0 else d for d in dims))
+    return tuple(sorted(_negative_dim(d, ndim) for d in dims))
 
 
 def _reduction(node: Node, op: str) -> Canon | None:
@@ -143,10 +148,11 @@ def _reduction(node: Node, op: str) -> Canon | None:
 
 
 def _structural(node: Node, op: str) -> Canon | None:
-    """Activations and the tensor-splitting ops gated MLPs use.
+    """Activations, ``chunk`` and ``getitem``.
 
-    ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` with ``dim`` negative; ``getitem(t, i)`` only
-    when ``t`` is a node that returns a tuple (chunk or split), never tensor indexing.
+    ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` with ``dim`` negative. ``getitem`` becomes
+    ``getitem(t, i)`` when ``t`` returns a tuple (chunk or split), ``unsqueeze`` for an index that only adds one
+    ``None`` axis (``f[:, :, None, :]``), and ``slice_last`` for a last-dim slice; other tensor indexing is nothing.
     """
     args, kwargs = list(node.args), dict(node.kwargs)
     if op == "silu":
@@ -177,7 +183,7 @@ def _structural(node: Node, op: str) -> Canon | None:
         out = tensor_meta(node)
         xt = tensor_meta(args[0])
         if out is not None and xt is not None and out.dim() == xt.dim() + 1 and len(index) == out.dim():
-            return Canon("unsqueeze", (args[0], index.index(None) - out.dim()))
+            return Canon("unsqueeze", (args[0], _negative_dim(index.index(None), out.dim())))
     return _last_dim_slice(args[0], args[1])
 
 
@@ -215,7 +221,7 @@ def _reshaping(node: Node, op: str) -> Canon | None:
         if len(node.args) != 2 or not isinstance(node.args[1], int):
             return None
         dim = node.args[1]
-        return Canon("unsqueeze", (x, dim - out.dim() if dim >= 0 else dim))
+        return Canon("unsqueeze", (x, _negative_dim(dim, out.dim())))
     if out.dim() != xt.dim() + 1 or xt.dim() == 0:
         return None
     same_lead = all(statically_equal(a, b) for a, b in zip(out.shape[:-2], xt.shape[:-1], strict=False))
@@ -238,7 +244,7 @@ def _joining(node: Node, op: str) -> Canon | None:
         xt = tensor_meta(x)
         if xt is None or set(bound) - {"start_dim", "end_dim", "input"}:
             return None
-        start, end = (d - xt.dim() if d >= 0 else d for d in (bound["start_dim"], bound["end_dim"]))
+        start, end = (_negative_dim(d, xt.dim()) for d in (bound["start_dim"], bound["end_dim"]))
         return Canon("flatten", (x, start, end))
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -246,8 +252,7 @@ def _joining(node: Node, op: str) -> Canon | None:
         return None
     if not isinstance(dim, int):
         return None
-    dim = dim - out.dim() if dim >= 0 else dim
-    return Canon(op, (tensors[0], tensors[1], dim))
+    return Canon(op, (tensors[0], tensors[1], _negative_dim(dim, out.dim())))
 
 
 def _cast(node: Node) -> Canon | None:
