@@ -177,10 +177,13 @@ def time_fwd_bwd(forward, q_proj, k_proj, cos, sin, dq_out, dk_out) -> tuple[flo
     """Median ms of one forward + backward: (GPU time, via a CUDA graph replay; launched from Python)."""
     import triton.testing
 
-    q, k = hf_views(*leaf_projections(q_proj, k_proj))
+    q_leaf, k_leaf = leaf_projections(q_proj, k_proj)
     dq_out, dk_out = dq_out.clone(), dk_out.clone()
 
     def step():
+        # the views are made inside the step: under CUDA-graph capture every autograd node of the step must run
+        # on the capturing stream (views made outside, on the default stream, invalidate the capture)
+        q, k = hf_views(q_leaf, k_leaf)
         fwd_bwd(forward, q, k, cos, sin, dq_out, dk_out)
 
     # warm-up on a side stream, as CUDA-graph capture requires: compiles and Triton JIT happen here, untimed
