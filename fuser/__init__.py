@@ -7,6 +7,7 @@ print(fuser.explain(model, input_ids=ids, labels=ids))
 from fuser.config import FuserConfig
 from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.kernels.gated_activation import geglu, swiglu
+from fuser.kernels.linear_cross_entropy import linear_cross_entropy
 from fuser.kernels.rms_norm import rms_norm
 from fuser.kernels.rope import rope
 from fuser.report import Report, explain
@@ -20,6 +21,7 @@ __all__ = [
     "backend",
     "explain",
     "geglu",
+    "linear_cross_entropy",
     "optimize",
     "rms_norm",
     "rope",

@@ -1,0 +1,135 @@
+"""Where fuser's linear_cross_entropy spends its time: each step of one chunk timed alone, variants beside it,
+and a torch.profiler kernel table of the whole op. A tool for choosing the implementation, not a test.
+
+Per shape (bf16, rows per chunk as ``chunk_rows`` gives): the logits matmul, the Triton loss+gradient kernel
+(launch configurations swept), the dhidden matmul (plain, and split over the vocabulary into S batched matmuls
+with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32 and into a fresh buffer.
+
+    python benchmarks/profile_linear_cross_entropy.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from fuser.kernels import linear_cross_entropy as K
+
+SHAPES = ((8192, 2304, 256000), (8192, 4096, 128256))
+
+
+def ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def chunk_parts(tokens, hidden, vocab, out):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = K.chunk_rows(tokens, vocab, 2)
+    h = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    w = (0.02 * torch.randn(vocab, hidden, device="cuda", generator=gen)).bfloat16()
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    logits = torch.empty(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    loss = torch.empty(rows, device="cuda", dtype=torch.float32)
+    scale = torch.ones((), device="cuda")
+    dh = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    acc16 = torch.zeros(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    acc32 = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float32)
+    flop = 2 * rows * hidden * vocab
+    n_chunks = triton.cdiv(tokens, rows)
+    res = []
+
+    def add(name, t, flops=None):
+        rate = "" if flops is None else f"{flops / t / 1e9:.0f} TFLOP/s"
+        res.append(f"| {tokens}×{hidden}×{vocab} | {rows} | {name} | {t:.3f} | {t * n_chunks:.1f} | {rate} |")
+        print(res[-1], flush=True)
+
+    add("logits mm", ms(lambda: torch.mm(h, w.t(), out=logits)), flop)
+    torch.mm(h, w.t(), out=logits)
+    base = logits.clone()
+    for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
+
+        def ce(block_v=block_v, warps=warps):
+            K.lce_chunk_kernel[(rows,)](
+                logits, labels, loss, scale, logits.stride(0), vocab, -100, 1.0, 1.0,
+                HAS_SOFTCAP=False, WRITE_GRAD=True, BLOCK_V=block_v, num_warps=warps,
+            )  # fmt: skip
+
+        logits.copy_(base)
+        add(f"CE kernel BLOCK_V {block_v} warps {warps}", ms(ce))
+    logits.copy_(base)
+    add("dh mm (G @ W)", ms(lambda: torch.mm(logits, w, out=dh)), flop)
+    for splits in (2, 4, 8):
+        seg = vocab // splits
+        if seg * splits != vocab:
+            continue
+        g3 = logits.view(rows, splits, seg).transpose(0, 1)  # [S, rows, seg], row stride vocab
+        w3 = w.view(splits, seg, hidden)
+
+        def split_k(g3=g3, w3=w3):
+            return torch.bmm(g3, w3, out_dtype=torch.float32).sum(0).to(torch.bfloat16)
+
+        try:
+            add(f"dh split-K {splits} (bmm fp32 + sum)", ms(split_k), flop)
+        except Exception as e:
+            res.append(f"| split-K {splits} failed: {type(e).__name__}: {str(e)[:120]} |")
+    add("dW addmm_ into bf16 acc", ms(lambda: acc16.addmm_(logits.t(), h)), flop)
+    add("dW mm into fresh bf16", ms(lambda: torch.mm(logits.t(), h)), flop)
+    try:
+        add("dW addmm into fp32 acc (out_dtype)",
+            ms(lambda: torch.addmm(acc32, logits.t(), h, out_dtype=torch.float32, out=acc32)), flop)  # fmt: skip
+    except Exception as e:
+        res.append(f"| fp32 addmm failed: {type(e).__name__}: {str(e)[:120]} |")
+    add("dW^T addmm_ (h^T @ G into [H, V] bf16)",
+        ms(lambda: acc16.view(hidden, vocab).addmm_(h.t(), logits)), flop)  # fmt: skip
+    out += res
+
+
+def whole_op_profile(tokens, hidden, vocab, out):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (0.02 * torch.randn(vocab, hidden, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+
+    def step():
+        h.grad = w.grad = None
+        K.linear_cross_entropy(h, w, labels).backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    total = ms(step)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out.append(f"\n### whole op {tokens}×{hidden}×{vocab}: {total:.1f} ms (do_bench median)\n")
+    out.append("```")
+    out.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+    out.append("```")
+    print("\n".join(out[-4:]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = [
+        "| T×H×V | rows/chunk | step | ms per chunk | ms × chunks | rate |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for shape in SHAPES:
+        chunk_parts(*shape, out)
+        torch.cuda.empty_cache()
+    for shape in SHAPES:
+        whole_op_profile(*shape, out)
+        torch.cuda.empty_cache()
+    text = "\n".join(out) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""lm_head + cross-entropy as one op that never holds the ``[tokens, vocab]`` logits, forward and backward.
+
+    x      = hidden @ weight.T (+ bias)                   the lm_head, rounded to the input dtype as eager's is
+    y      = logit_scale · x                              Cohere multiplies, Granite divides (scale = 1/s)
+    z      = softcap · tanh(y / softcap)                  Gemma-2's final-logit softcapping (softcap 0: z = y)
+    loss_t = logsumexp(z_t) − z_t[label_t]                0 for rows whose label is ``ignore_index``
+    loss   = Σ loss_t / n_valid  ("mean";  NaN when every row is ignored, as PyTorch)   or  Σ loss_t  ("sum")
+
+Gradients, per row (fp32): ``dL/dx_t = c · (softmax(z_t) − onehot(label_t)) · (1 − tanh²(y_t/softcap)) ·
+logit_scale`` with ``c = 1/n_valid`` (mean; 0 when n_valid is 0, so an all-ignored batch gets zero gradients as
+in PyTorch) or 1 (sum), and 0 for ignored rows. Then ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias =
+Σ_t G``.
+
+How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget
+(:func:`chunk_rows`, a function of the shapes only). Per chunk: one tensor-core matmul writes the chunk's logits
+in the input dtype; one Triton kernel (one program per row) computes each row's log-sum-exp online over the
+vocabulary, the row's loss, and then overwrites the logits with the row's gradient (in the input dtype, as eager's
+bf16 logits gradient is); two more matmuls turn that into the chunk's rows of ``dhidden`` and add its share of
+``dweight`` (skipped for a frozen weight, e.g. under LoRA: a third of the FLOPs). The gradients are thus formed
+in the forward (as Liger-Kernel does) rather than by recomputing the logits in the backward, which would cost
+8·T·H·V FLOPs instead of 6. The backward only multiplies them by ``grad_output``. No host synchronisation:
+``n_valid`` stays on the device.
+
+The weight gradient is accumulated over the chunks in the weight's dtype (``FUSER_LCE_DW_ACCUMULATOR=input``, the
+default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``=fp32``: one extra ``[V, H]``
+fp32 buffer during the forward). Measured on the H200 at 8192×2304×256000 (bf16, 26 chunks), the bf16 running
+sum's dW error against fp32 was 2.3e-3 vs 2.2e-3 with the fp32 accumulator, which cost 20 ms more
+(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``).
+
+Labels outside ``[0, V)`` that are not ``ignore_index`` give a NaN loss for their row (PyTorch raises; an op
+that must not synchronise cannot).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
+
+REDUCTIONS = ("mean", "sum")
+# the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
+LOGITS_BUDGET_BYTES = 224 << 20
+_ACCUMULATORS = ("fp32", "input")
+
+
+def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None) -> int:
+    """Rows per chunk: as many as fit ``budget`` bytes of logits (default ``LOGITS_BUDGET_BYTES``), a multiple of
+    64 (tensor-core tiles), ≥ 64."""
+    budget = LOGITS_BUDGET_BYTES if budget is None else budget
+    rows = max(64, budget // max(1, vocab * itemsize) // 64 * 64)
+    return max(1, min(n_rows, rows))
+
+
+def dweight_accumulator(weight: torch.Tensor) -> str:
+    """``FUSER_LCE_DW_ACCUMULATOR`` (``input`` by default | ``fp32``); fp32 weights always accumulate in fp32."""
+    choice = os.environ.get("FUSER_LCE_DW_ACCUMULATOR", "input")
+    if choice not in _ACCUMULATORS:
+        raise ValueError(f"fuser: FUSER_LCE_DW_ACCUMULATOR must be one of {_ACCUMULATORS}, got {choice!r}")
+    return choice if weight.dtype in (torch.float16, torch.bfloat16) else "input"
+
+
+def _check(hidden, weight, bias, labels, reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"fuser: linear_cross_entropy reduction must be 'mean' or 'sum', got {reduction!r}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fuser: linear_cross_entropy expects weight [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fuser: linear_cross_entropy expects bias [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    n_rows = hidden.numel() // max(1, hidden.shape[-1])
+    if labels.numel() != n_rows:
+        raise ValueError(
+            f"fuser: linear_cross_entropy expects one label per row of hidden ({n_rows}), got {labels.numel()}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"fuser: linear_cross_entropy expects integer labels, got {labels.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"fuser: linear_cross_entropy expects hidden and weight of one dtype, got {hidden.dtype} and "
+            f"{weight.dtype}; cast first"
+        )
+
+
+def _grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_valid as fp32, per-valid-row gradient scale c) as 0-dim device tensors; no host synchronisation."""
+    n_valid = (labels != ignore_index).sum().to(torch.float32)
+    if reduction == "sum":
+        return n_valid, torch.ones((), dtype=torch.float32, device=labels.device)
+    return n_valid, torch.where(n_valid > 0, 1.0 / n_valid.clamp_min(1.0), torch.zeros_like(n_valid))
+
+
+def _finish_loss(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    total = loss_rows.sum(dtype=torch.float32)
+    return total / n_valid if reduction == "mean" else total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-torch reference of the per-chunk step (the same formulas), used on CPU and as the test oracle.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _reference_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad):
+    """What the kernel does to one chunk: loss per row into ``loss_rows``; with ``write_grad``, the gradient
+    with respect to ``logits`` (scaled by the 0-dim ``scale`` for valid rows) written over ``logits``."""
+    compute = compute_dtype(logits)
+    y = logits.to(compute) * logit_scale
+    t = torch.tanh(y / softcap) if softcap else None
+    z = softcap * t if softcap else y
+    lse = torch.logsumexp(z, dim=-1)
+    vocab = z.shape[-1]
+    valid = labels != ignore_index
+    in_range = (labels >= 0) & (labels < vocab)
+    safe = torch.where(in_range, labels, torch.zeros_like(labels)).long()
+    z_label = z.gather(1, safe[:, None])[:, 0]
+    loss = torch.where(valid, lse - z_label, torch.zeros_like(lse))
+    loss_rows.copy_(torch.where(valid & ~in_range, torch.full_like(loss, float("nan")), loss))
+    if write_grad:
+        d = torch.exp(z - lse[:, None])
+        d.scatter_add_(1, safe[:, None], torch.where(in_range, -1.0, 0.0).to(compute)[:, None])
+        if softcap:
+            d = d * (1.0 - t * t)
+        row_scale = torch.where(valid, scale.to(compute) * logit_scale, torch.zeros((), dtype=compute))
+        logits.copy_(d * row_scale[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernel: one chunk's loss and, optionally, its logits gradient in place
+# ---------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _transform(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+        # (z, t): the scaled, softcapped logit in fp32 and t = tanh(y / softcap) (t = y without softcap: unused);
+        # tanh via exp, as the interpreter has no libdevice.tanh
+        y = x * logit_scale
+        if HAS_SOFTCAP:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * y / softcap) + 1.0)
+            z = softcap * t
+        else:
+            t = y
+            z = y
+        return z, t
+
+    @triton.jit
+    def lce_chunk_kernel(
+        logits_ptr,
+        labels_ptr,
+        loss_ptr,
+        scale_ptr,
+        logits_row_stride,
+        n_cols,
+        ignore_index,
+        logit_scale,
+        softcap,
+        HAS_SOFTCAP: tl.constexpr,
+        WRITE_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
+        m = tl.full((), -float("inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            z, _ = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
+            z = tl.where(mask, z, -float("inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        valid = label != ignore_index
+        out_of_range = (label < 0) | (label >= n_cols)
+        x_label = tl.load(row_ptr + label, mask=valid & (~out_of_range), other=0.0).to(tl.float32)
+        z_label, _ = _transform(x_label, logit_scale, softcap, HAS_SOFTCAP)
+        loss = tl.where(valid, lse - z_label, 0.0)
+        loss = tl.where(valid & out_of_range, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+        if WRITE_GRAD:
+            # pass 2: overwrite the logits with c · (softmax − onehot) · dz/dx (0 for an ignored row)
+            c = tl.where(valid, tl.load(scale_ptr), 0.0)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < n_cols
+                x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                z, t = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
+                d = (tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)) * (c * logit_scale)
+                if HAS_SOFTCAP:
+                    d = d * (1.0 - t * t)
+                tl.store(row_ptr + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad) -> None:
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block_v = min(triton.next_power_of_2(n_cols), 8192 if logits.is_cuda else 1024)
+    lce_chunk_kernel[(n_rows,)](
+        logits,
+        labels,
+        loss_rows,
+        scale,
+        logits.stride(0),
+        n_cols,
+        int(ignore_index),
+        float(logit_scale),
+        float(softcap) if softcap else 1.0,
+        HAS_SOFTCAP=bool(softcap),
+        WRITE_GRAD=write_grad,
+        BLOCK_V=block_v,
+        num_warps=16 if logits.is_cuda else 4,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The chunked forward (gradients formed on the way), shared by the Triton and the reference path
+# ---------------------------------------------------------------------------------------------------------
+
+_ADDMM_OUT_DTYPE_OK: dict[torch.device, bool] = {}
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for half-precision a, b: one cuBLAS call with an fp32 output where torch has it."""
+    if acc.is_cuda and _ADDMM_OUT_DTYPE_OK.get(acc.device, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_OUT_DTYPE_OK[acc.device] = True
+            return
+        except (RuntimeError, TypeError):
+            _ADDMM_OUT_DTYPE_OK[acc.device] = False
+    acc.add_(torch.mm(a, b))
+
+
+def _forward_chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    logit_scale: float,
+    softcap: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    triton_path: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    labels1 = labels.reshape(-1)
+    labels1 = labels1 if labels1.stride(0) == 1 else labels1.contiguous()  # the kernel reads labels at unit stride
+    n_rows, vocab = h2.shape[0], weight.shape[0]
+    n_valid, scale = _grad_scale(labels1, ignore_index, reduction)
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
+    write_grad = grad_hidden or grad_weight or grad_bias
+    dh = torch.empty_like(h2) if grad_hidden else h2.new_empty(0)
+    accumulator = dweight_accumulator(weight)
+    dw_acc = None
+    if grad_weight:
+        # the first chunk writes it (no zero fill, no read of zeros); the later ones add to it
+        dw_acc = torch.empty(weight.shape, dtype=torch.float32 if accumulator == "fp32" else weight.dtype,
+                             device=weight.device)  # fmt: skip
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=h2.device) if grad_bias else None
+    rows = chunk_rows(n_rows, vocab, h2.element_size())
+    buffer = torch.empty(min(rows, n_rows), vocab, dtype=h2.dtype, device=h2.device)
+    weight_t = weight.t()
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        h_c, logits = h2[start:end], buffer[: end - start]
+        if bias is not None:
+            torch.addmm(bias, h_c, weight_t, out=logits)
+        else:
+            torch.mm(h_c, weight_t, out=logits)
+        if triton_path:
+            _launch_chunk(logits, labels1[start:end], loss_rows[start:end], scale, ignore_index, logit_scale,
+                          softcap, write_grad)  # fmt: skip
+        else:
+            _reference_chunk(logits, labels1[start:end], loss_rows[start:end], scale, ignore_index, logit_scale,
+                             softcap, write_grad)  # fmt: skip
+        if grad_hidden:
+            torch.mm(logits, weight, out=dh[start:end])
+        if grad_weight:
+            if start == 0:
+                if dw_acc.dtype == logits.dtype:
+                    torch.mm(logits.t(), h_c, out=dw_acc)
+                else:
+                    dw_acc.zero_()
+                    _accumulate_fp32(dw_acc, logits.t(), h_c)
+            elif dw_acc.dtype == logits.dtype:
+                dw_acc.addmm_(logits.t(), h_c)
+            else:
+                _accumulate_fp32(dw_acc, logits.t(), h_c)
+        if grad_bias:
+            db_acc += logits.sum(0, dtype=torch.float32)
+    del buffer
+    if grad_weight and n_rows == 0:
+        dw_acc.zero_()
+    loss = _finish_loss(loss_rows, n_valid, reduction)
+    # distinct 0-element tensors for the gradients not formed: a custom op's outputs must not alias
+    dw = dw_acc.to(weight.dtype) if grad_weight else h2.new_empty(0)
+    db = db_acc.to(bias.dtype) if grad_bias else h2.new_empty(0)
+    return loss, dh.view(hidden.shape) if grad_hidden else dh, dw, db
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom op and its autograd
+# ---------------------------------------------------------------------------------------------------------
+
+
+def triton_supports(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+@torch.library.custom_op("fuser::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    logit_scale: float,
+    softcap: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dhidden, dweight, dbias): the gradients for grad_output = 1, 0-element where not asked for."""
+    _check(hidden, weight, bias, labels, reduction)
+    triton_path = use_triton(hidden) and triton_supports(hidden)
+    return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
+                            grad_hidden, grad_weight, grad_bias and bias is not None, triton_path)  # fmt: skip
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap, grad_hidden, grad_weight, grad_bias):
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if grad_bias and bias is not None else hidden.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    _, dh, dw, db = output
+    ctx.save_for_backward(dh, dw, db)
+    ctx.flags = inputs[8:11]
+    ctx.has_bias = inputs[2] is not None
+    ctx.mark_non_differentiable(dh, dw, db)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dloss, _ddh, _ddw, _ddb):
+    dh, dw, db = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = ctx.flags
+    needs = ctx.needs_input_grad
+    for i, (need, formed) in enumerate(((needs[0], grad_hidden), (needs[1], grad_weight),
+                                         (needs[2], grad_bias and ctx.has_bias))):  # fmt: skip
+        if need and not formed:
+            name = ("hidden", "weight", "bias")[i]
+            raise RuntimeError(
+                f"fuser: linear_cross_entropy was called with grad_{name}=False but autograd asks for its gradient"
+            )
+    if dloss is None:
+        return (None,) * 11
+
+    def scaled(g, need):
+        # A 0-dim fp32 grad_output: the product is computed in fp32 and rounded to g's dtype once. Eagerly, in
+        # place: the gradients are this op's own buffers, used nowhere else, and a second [V, H] weight gradient
+        # would double the op's memory here. Traced (AOT autograd: functional tensor subclasses), out of place:
+        # AOT rejects mutating a saved tensor in backward, and Inductor reuses the saved buffer anyway.
+        if not need:
+            return None
+        return g.mul_(dloss) if type(g) is torch.Tensor else g * dloss
+
+    wanted = [g for g, need in ((dh, needs[0]), (dw, needs[1]), (db, needs[2])) if need and g.numel()]
+    if wanted and all(type(g) is torch.Tensor for g in wanted) and dloss.device == wanted[0].device:
+        # eagerly: one vectorised in-place pass over all of them (the generic mul_ with a 0-dim CUDA tensor of
+        # another dtype took 2.5 ms for a [256000, 2304] bf16 weight gradient on the H200, ~4x its bytes' time)
+        torch._foreach_mul_(wanted, dloss)
+        return (dh if needs[0] else None), (dw if needs[1] else None), (db if needs[2] else None), *(None,) * 8
+    return scaled(dh, needs[0]), scaled(dw, needs[1]), scaled(db, needs[2]), *(None,) * 8
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    num_items_in_batch: torch.Tensor | float | int | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(softcap(logit_scale · (hidden @ weight.T + bias)).float(), labels)`` without the logits.
+
+    ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``labels`` one integer per row of ``hidden`` (already
+    shifted for causal LM). ``num_items_in_batch`` (gradient accumulation, as transformers passes it) gives
+    ``sum / num_items_in_batch`` and overrides ``reduction``. The loss is fp32; gradients reach hidden, weight
+    and bias through autograd (the weight's is skipped when it does not require grad).
+    """
+    if num_items_in_batch is not None:
+        reduction = "sum"
+    grad = torch.is_grad_enabled()
+    loss = torch.ops.fuser.linear_cross_entropy(
+        hidden,
+        weight,
+        bias,
+        labels,
+        int(ignore_index),
+        reduction,
+        1.0 if logit_scale is None else float(logit_scale),
+        0.0 if not softcap else float(softcap),
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )[0]
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
