@@ -1,0 +1,118 @@
+"""Smoke test of benchmarks/train_step.py on a CPU (tiny configs), and of its reports on made-up numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def train_step():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("train_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Toy sizes gain nothing from threads, and on a busy 2-core machine OpenMP's spinning makes them 100× slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(train_step, tmp_path: Path, mode: str, *extra: str) -> dict:
+    out = tmp_path / f"{mode}.json"
+    argv = ["--job", "llama3-8b-lora", "--mode", mode, "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"]
+    assert train_step.main([*argv, *extra, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_tiny_lora_job_runs_eager_and_fuser_with_equal_first_losses(train_step, tmp_path):
+    eager = _run(train_step, tmp_path, "eager")
+    fused = _run(train_step, tmp_path, "fuser", "--fuser-inner-compiler", "aot_eager")
+    for result in (eager, fused):
+        assert result["status"] == "ok"
+        assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+        assert result["tokens_per_s"] > 0 and result["step_ms"] > 0
+    assert abs(fused["first_loss"] - eager["first_loss"]) <= 1e-4 * abs(eager["first_loss"])
+    assert fused["fuser_counts"], "fuser fused nothing in the tiny Llama"
+    assert eager["trainable_params"] < eager["params"]  # LoRA: the base is frozen
+
+
+def test_cpu_refuses_qlora_and_liger_with_a_message(train_step, capsys):
+    argv = ["--tiny", "--device", "cpu"]
+    assert train_step.main(["--job", "llama3-8b-qlora", "--mode", "eager", *argv]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+    assert train_step.main(["--job", "llama3-8b-lora", "--mode", "liger", *argv]) == 2
+    assert "Liger-Kernel needs CUDA" in capsys.readouterr().err
+
+
+def _ok(tps, peak, warm, **extra):
+    return dict(status="ok", tokens_per_s=tps, step_ms=1.0, peak_gib=peak, warmup_s=warm, first_loss=12.0,
+                last_loss=11.9, batch=4, seq=2048, steps=10, warmup=3, layers=32, **extra)  # fmt: skip
+
+
+def test_table_shows_oom_crash_and_the_ratios_against_the_targets(train_step):
+    results = {
+        "eager": {"status": "OOM", "error": "CUDA out of memory", "peak_gib": 139.0},
+        "compile": _ok(11764.0, 75.6, 101.0),
+        "liger": {"status": "crashed", "error": "RuntimeError: CUDA error: an illegal memory access"},
+        "fuser": _ok(14000.0, 60.0, 105.0, fuser_counts={"rms_norm": 65, "swiglu": 32}, graphs=1, graph_breaks=0),
+    }
+    text = train_step.results_table("llama3-8b-lora", results, "python benchmarks/train_step.py ...")
+    assert "| eager | OOM |" in text
+    assert "crashed (RuntimeError: CUDA error: an illegal memory access)" in text
+    # Liger crashed: the ratios are against Inductor alone, and say so
+    assert "| tokens/s ÷ the better of Inductor | 1.19 | ≥ 1.15 | yes |" in text
+    assert "| peak memory ÷ the lower of Inductor | 0.79 | ≤ 0.85 | yes |" in text
+    assert "| warm-up ÷ Inductor's | 1.04 | ≤ 1.1 | yes |" in text
+    assert "fuser fused: rms_norm=65, swiglu=32" in text
+    for name in ("torch", "triton", "transformers", "peft", "liger-kernel", "bitsandbytes"):
+        assert f"{name} " in text
+
+
+def test_profile_groups_kernels_by_family(train_step):
+    fused = train_step.fuser_kernel_names()
+    assert "rms_norm_fwd_kernel" in fused and not any(n.startswith("_") for n in fused)
+    family = lambda name: train_step.kernel_family(name, fused)  # noqa: E731
+    assert family("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT") == "matmul"
+    assert family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert family("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>") == (
+        "attention"
+    )
+    assert family("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)") == "attention"
+    assert family("void kgemm_4bit_inference_naive<__nv_bfloat16, 128, 16>") == "bitsandbytes NF4"
+    assert family("rms_norm_bwd_kernel") == "fused ops (fuser)"
+    assert family("_rms_norm_forward_kernel") == "fused ops (Liger)"
+    assert family("triton_poi_fused_add_mul_0") == "elementwise: Inductor (triton_)"
+    assert family("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == (
+        "optimizer"
+    )
+    assert family("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == (
+        "elementwise: other"
+    )
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst_a", "dur": 300.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst_a", "dur": 300.0},
+            {"ph": "X", "cat": "kernel", "name": "rms_norm_fwd_kernel", "dur": 100.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
+        ]
+    }
+    times = train_step.kernel_times_from_trace(trace)
+    assert times == {"nvjet_tst_a": [600.0, 2], "rms_norm_fwd_kernel": [100.0, 1]}
+    families, top = train_step.family_table(times, n_steps=2, wall_ms=0.5)
+    assert "| matmul | 0.30 | 85.7% |" in families
+    assert "| fused ops (fuser) | 0.05 | 14.3% |" in families
+    assert "`nvjet_tst_a` | matmul | 1 | 0.300 | 85.7% |" in top
