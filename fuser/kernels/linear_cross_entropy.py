@@ -69,8 +69,11 @@ def _check(hidden, weight, bias, labels, reduction) -> None:
             f"fuser: linear_cross_entropy expects weight [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
             f"got {tuple(weight.shape)}"
         )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"fuser: linear_cross_entropy expects bias [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"fuser: linear_cross_entropy expects bias [V] = [{weight.shape[0]}] of the weight's dtype {weight.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
     n_rows = hidden.numel() // max(1, hidden.shape[-1])
     if labels.numel() != n_rows:
         raise ValueError(

@@ -620,8 +620,10 @@ def test_rejects_bad_arguments():
         linear_cross_entropy(h, torch.randn(10, 7), labels)
     with pytest.raises(ValueError, match=r"weight \[V, H\]"):
         linear_cross_entropy(h, torch.randn(10, 8, 1), labels)
-    with pytest.raises(ValueError, match=r"bias \[V\] = \[10\], got \(11,\)"):
+    with pytest.raises(ValueError, match=r"bias \[V\] = \[10\] of the weight's dtype torch.float32, got \(11,\)"):
         linear_cross_entropy(h, w, labels, bias=torch.randn(11))
+    with pytest.raises(ValueError, match=r"bias .* got \(10,\) torch.float16"):
+        linear_cross_entropy(h, w, labels, bias=torch.randn(10).half())
     with pytest.raises(ValueError, match=r"one label per row of hidden \(6\), got 5"):
         linear_cross_entropy(h, w, labels[:5])
     with pytest.raises(ValueError, match="integer labels, got torch.float32"):
