@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +18,10 @@ class FuserConfig:
 
     patterns:        names of the patterns to apply (``None``: every registered pattern).
     inner_compiler:  what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
-    keep_logits:     for ``linear_cross_entropy`` (not yet implemented): also compute the logits the model returns.
+    keep_logits:     when a training graph returns the logits it computes the loss from, keep them: the
+                     ``linear_cross_entropy`` pattern then leaves that loss unfused. ``False`` (default): the loss
+                     is fused and the logits are never computed; the graph returns ``None`` in their place
+                     (``outputs.logits is None``). Evaluation (no gradient wanted) always keeps returned logits.
     strict:          raise instead of falling back to the unrewritten graph when the rewrite fails (tests use it).
     """
 
@@ -47,3 +53,21 @@ class FuserConfig:
 
     def enabled(self, pattern_name: str) -> bool:
         return self.patterns is None or pattern_name in self.patterns
+
+
+_ACTIVE_CONFIG: ContextVar[FuserConfig | None] = ContextVar("fuser_active_config", default=None)
+
+
+@contextmanager
+def using_config(config: FuserConfig) -> Iterator[None]:
+    """Make ``config`` the one :func:`active_config` returns while graphs are matched and rewritten."""
+    token = _ACTIVE_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _ACTIVE_CONFIG.reset(token)
+
+
+def active_config() -> FuserConfig:
+    """The config of the rewrite (or ``fuser.explain``) in progress: what a pattern's check may depend on."""
+    return _ACTIVE_CONFIG.get() or FuserConfig()

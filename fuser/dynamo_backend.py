@@ -81,7 +81,7 @@ class FuserBackend:
     def rewrite(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, RewriteResult | None]:
         """The rewritten copy of ``gm``; on failure ``gm`` itself with a warning (or FuserError under strict)."""
         try:
-            new_gm, result = rewrite(gm, self.patterns)
+            new_gm, result = rewrite(gm, self.patterns, self.config)
         except Exception as error:
             if self.config.strict:
                 raise FuserError(f"fuser: the rewrite failed: {error!r}") from error

@@ -31,9 +31,10 @@ class Report:
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
         width = max([len(m.module) for m in self.matches] + [6])
-        lines.append(f"{'pattern':<16} {'variant':<12} {'module':<{width}}  source")
+        names = max([len(m.pattern) for m in self.matches] + [16])
+        lines.append(f"{'pattern':<{names}} {'variant':<12} {'module':<{width}}  source")
         for m in self.matches:
-            lines.append(f"{m.pattern:<16} {m.variant:<12} {m.module:<{width}}  {m.where}")
+            lines.append(f"{m.pattern:<{names}} {m.variant:<12} {m.module:<{width}}  {m.where}")
         if not self.matches:
             lines.append("(nothing matched)")
         lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))
@@ -52,7 +53,7 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     report = Report()
 
     def capture(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        result = find_matches(gm, patterns)
+        result = find_matches(gm, patterns, config)
         report.graphs += 1
         report.matches += result.matches
         report.near_misses += result.near_misses

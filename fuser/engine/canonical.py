@@ -68,6 +68,11 @@ _FUNCTIONS = _fn_names(
     (torch.flatten, "flatten"),
     (torch.view_as_complex, "view_as_complex"),
     (torch.view_as_real, "view_as_real"),
+    (torch.reshape, "reshape"),
+    (torch.tanh, "tanh"),
+    (torch.nn.functional.tanh, "tanh"),
+    (torch.nn.functional.linear, "linear"),  # torch._C._nn.linear, what Dynamo records for nn.Linear
+    (torch.nn.functional.cross_entropy, "cross_entropy"),
 )
 _METHODS = {
     "mul": "mul",
@@ -84,6 +89,7 @@ _METHODS = {
     "mean": "mean",
     "sum": "sum",
     "sigmoid": "sigmoid",
+    "tanh": "tanh",
     "chunk": "chunk",
     "flatten": "flatten",
     "reshape": "reshape",
@@ -152,7 +158,9 @@ def _structural(node: Node, op: str) -> Canon | None:
 
     ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` with ``dim`` negative. ``getitem`` becomes
     ``getitem(t, i)`` when ``t`` returns a tuple (chunk or split), ``unsqueeze`` for an index that only adds one
-    ``None`` axis (``f[:, :, None, :]``), and ``slice_last`` for a last-dim slice; other tensor indexing is nothing.
+    ``None`` axis (``f[:, :, None, :]``), ``slice_last`` for a last-dim slice, and ``whole(t)`` for an index that
+    selects all of ``t`` whatever its sizes (``h[:, -0:, :]``, transformers' ``logits_to_keep=0`` slice); other
+    tensor indexing is nothing.
     """
     args, kwargs = list(node.args), dict(node.kwargs)
     if op == "silu":
@@ -184,7 +192,30 @@ def _structural(node: Node, op: str) -> Canon | None:
         xt = tensor_meta(args[0])
         if out is not None and xt is not None and out.dim() == xt.dim() + 1 and len(index) == out.dim():
             return Canon("unsqueeze", (args[0], _negative_dim(index.index(None), out.dim())))
-    return _last_dim_slice(args[0], args[1])
+    last_dim_slice = _last_dim_slice(args[0], args[1])
+    if last_dim_slice is None and _selects_everything(args[1], tensor_meta(args[0])):
+        return Canon("whole", (args[0],))
+    return last_dim_slice
+
+
+def _selects_everything(index: Any, t: torch.Tensor | None) -> bool:
+    """Whether ``t[index]`` is all of ``t`` for any sizes: only ``...`` and slices ``start in (None, 0)``,
+    ``stop None``, ``step in (None, 1)``."""
+
+    def whole(i: Any) -> bool:
+        if i is Ellipsis:
+            return True
+        return (
+            isinstance(i, slice)
+            and (i.start is None or (type(i.start) is int and i.start == 0))
+            and i.stop is None
+            and (i.step is None or (type(i.step) is int and i.step == 1))
+        )
+
+    items = index if isinstance(index, tuple) else (index,)
+    if t is None or items.count(Ellipsis) > 1 or len(items) - items.count(Ellipsis) > t.dim():
+        return False
+    return all(whole(i) for i in items)
 
 
 def _last_dim_slice(x: Node, index: Any) -> Canon | None:
@@ -209,8 +240,9 @@ def _last_dim_slice(x: Node, index: Any) -> Canon | None:
 
 
 def _reshaping(node: Node, op: str) -> Canon | None:
-    """Two shape changes complex-number RoPE uses: ``split_pairs(x)`` (``[..., D] → [..., D/2, 2]``, any
-    ``reshape``/``view`` spelling of it) and ``unsqueeze(x, dim)`` with ``dim`` negative in the result."""
+    """Shape changes the patterns read: ``split_pairs(x)`` (``[..., D] → [..., D/2, 2]``, complex-number RoPE),
+    ``rows(x)`` (``[..., V] → [N, V]``: ``x.view(-1, V)`` before a loss), each in any ``reshape``/``view``
+    spelling, and ``unsqueeze(x, dim)`` with ``dim`` negative in the result."""
     from fuser._compat import statically_equal
 
     x = node.args[0] if node.args else None
@@ -222,6 +254,9 @@ def _reshaping(node: Node, op: str) -> Canon | None:
             return None
         dim = node.args[1]
         return Canon("unsqueeze", (x, _negative_dim(dim, out.dim())))
+    last = xt.shape[-1]
+    if out.dim() == 2 and xt.dim() >= 2 and isinstance(last, int) and statically_equal(out.shape[-1], last):
+        return Canon("rows", (x,))
     if out.dim() != xt.dim() + 1 or xt.dim() == 0:
         return None
     same_lead = all(statically_equal(a, b) for a, b in zip(out.shape[:-2], xt.shape[:-1], strict=False))
@@ -253,6 +288,39 @@ def _joining(node: Node, op: str) -> Canon | None:
     if not isinstance(dim, int):
         return None
     return Canon(op, (tensors[0], tensors[1], _negative_dim(dim, out.dim())))
+
+
+# argument names and defaults of the functions read with every argument bound (defaults filled in)
+_SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "linear": (("input", None), ("weight", None), ("bias", None)),
+    "cross_entropy": (
+        ("input", None),
+        ("target", None),
+        ("weight", None),
+        ("size_average", None),
+        ("ignore_index", -100),
+        ("reduce", None),
+        ("reduction", "mean"),
+        ("label_smoothing", 0.0),
+    ),
+}
+
+
+def _bound(node: Node, op: str) -> Canon | None:
+    """``linear(input, weight, bias)``; ``cross_entropy(input, target, weight, ignore_index, reduction,
+    label_smoothing)``, whichever were passed by position or keyword. The legacy ``size_average``/``reduce``
+    arguments of ``cross_entropy`` are read as nothing."""
+    names = [name for name, _ in _SIGNATURES[op]]
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    bound = dict(_SIGNATURES[op])
+    bound.update(zip(names, node.args, strict=False))
+    bound.update(node.kwargs)
+    if tensor_meta(bound["input"]) is None:
+        return None
+    if op == "cross_entropy" and (bound.pop("size_average"), bound.pop("reduce")) != (None, None):
+        return None
+    return Canon(op, tuple(bound.values()))
 
 
 def _cast(node: Node) -> Canon | None:
@@ -322,6 +390,8 @@ def canonical(node: Any) -> Canon | None:
         return Canon(op, (node.args[0],))
     if op in ("reshape", "unsqueeze"):
         return _reshaping(node, op)
+    if op in _SIGNATURES:
+        return _bound(node, op)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

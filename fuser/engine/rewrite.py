@@ -6,8 +6,9 @@ Two phases, so ``fuser.explain`` can run the first alone:
    activation checkpointing) from the last node to the first, so the outermost spelling of a block is tried
    before its inner parts; each node is claimed by at most one match. A structural match whose interior values
    are used outside it, or whose ``check`` declines, is recorded as a :class:`NearMiss` with the reason.
-2. :func:`apply_matches` inserts the fused op before each match's root, hands the root's users over to it and
-   erases the interior nodes that are now dead.
+2. :func:`apply_matches` inserts the fused op before each match's root, hands the root's users over to it,
+   makes the graph return ``None`` for interior values the op never computes (logits a training graph returns),
+   and erases the interior nodes that are now dead.
 
 :func:`rewrite` does both on a structural copy of the graph module, so a failure half-way leaves the user's
 graph untouched and the backend can compile it unrewritten.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from fuser.config import FuserConfig, using_config
 from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import Found, escaping_use, match_tree
 from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
@@ -121,19 +123,27 @@ def _try_patterns(
     node: Node, patterns: list[Pattern], claimed: set[Node], graph_name: str, result: RewriteResult
 ) -> Match | None:
     for pattern in patterns:
+        reasons: set[str] = set()  # of this pattern's declines at this node
         for variant in pattern.variants:
             for found in match_tree(variant.tree, node):
                 if any(n in claimed for n in found.nodes):
                     continue
-                escape = escaping_use(found)
+                escape = None if pattern.judges_outside_uses else escaping_use(found)
                 try:
                     if escape is not None:
                         inner, user = escape
                         raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
                     replacement = pattern.check(found, variant)
+                    if replacement.dropped_outputs and graph_name:
+                        # a nested subgraph's outputs are its higher-order op's: they must keep their values
+                        raise Decline(f"the nested graph `{graph_name}` returns values the fused op does not compute")
                 except Decline as why:
-                    result.near_misses.append(NearMiss(pattern.name, node, str(why), graph_name))
-                    log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
+                    # optional parts (a no-op cast, a whole-tensor slice) give one block several structural
+                    # matches that decline for the same reason: report it once
+                    if str(why) not in reasons:
+                        reasons.add(str(why))
+                        result.near_misses.append(NearMiss(pattern.name, node, str(why), graph_name))
+                        log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
                     continue
                 match = Match(pattern.name, variant.name, found, replacement, graph_name)
                 result.matches.append(match)
@@ -142,11 +152,15 @@ def _try_patterns(
     return None
 
 
-def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern]) -> RewriteResult:
-    """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing."""
+def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig | None = None) -> RewriteResult:
+    """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing.
+
+    The checks that depend on ``config`` (``keep_logits``) read it through :func:`fuser.config.active_config`.
+    """
     result = RewriteResult()
-    for name, module in subgraph_modules(gm):
-        _find_in_graph(module.graph, patterns, name, result)
+    with using_config(config or FuserConfig()):
+        for name, module in subgraph_modules(gm):
+            _find_in_graph(module.graph, patterns, name, result)
     return result
 
 
@@ -183,6 +197,8 @@ def apply_matches(result: RewriteResult) -> None:
             if "example_value" in old.meta:
                 fused.meta["example_value"] = old.meta["example_value"]
             old.replace_all_uses_with(fused)
+        for dropped in replacement.dropped_outputs:
+            _return_none_for(dropped)
         dead = list(match.found.nodes)
         while dead:  # erase users before what they use; interior nodes have no users outside the match
             erasable = [n for n in dead if not n.users]
@@ -193,6 +209,13 @@ def apply_matches(result: RewriteResult) -> None:
                 dead.remove(node)
     for graph in {m.found.root.graph for m in result.matches}:
         graph.lint()
+
+
+def _return_none_for(node: Node) -> None:
+    """Make the graph return ``None`` where it returned ``node`` (Dynamo, AOT autograd and Inductor accept it)."""
+    for user in list(node.users):
+        if user.op == "output":
+            user.args = torch.fx.node.map_arg(user.args, lambda n: None if n is node else n)
 
 
 def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -212,10 +235,12 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return clone
 
 
-def rewrite(gm: torch.fx.GraphModule, patterns: list[Pattern]) -> tuple[torch.fx.GraphModule, RewriteResult]:
+def rewrite(
+    gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig | None = None
+) -> tuple[torch.fx.GraphModule, RewriteResult]:
     """Match and replace on a copy of ``gm``; ``gm`` itself is never modified."""
     clone = clone_graph_module(gm)
-    result = find_matches(clone, patterns)
+    result = find_matches(clone, patterns, config)
     if result.matches:
         apply_matches(result)
         for _, module in subgraph_modules(clone):

@@ -33,6 +33,7 @@ that must not synchronise cannot).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -242,6 +243,31 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     acc.add_(torch.mm(a, b))
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A second CUDA stream for the weight-gradient matmul (``FUSER_LCE_STREAMS=0`` turns it off)."""
+    if device.type != "cuda" or os.environ.get("FUSER_LCE_STREAMS", "1") == "0":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _accumulate_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
+    """dw_acc (=, first chunk | +=) g_t @ h_c, in dw_acc's dtype (the weight's or fp32)."""
+    if dw_acc.dtype == g_t.dtype:
+        if first:
+            torch.mm(g_t, h_c, out=dw_acc)
+        else:
+            dw_acc.addmm_(g_t, h_c)
+        return
+    if first:
+        dw_acc.zero_()
+    _accumulate_fp32(dw_acc, g_t, h_c)
+
+
 def _forward_chunked(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -288,19 +314,19 @@ def _forward_chunked(
         else:
             _reference_chunk(logits, labels1[start:end], loss_rows[start:end], scale, ignore_index, logit_scale,
                              softcap, write_grad)  # fmt: skip
+        # dhidden and dweight both only read the chunk's gradient: with a side stream the weight gradient's
+        # memory-bound accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk
+        # waits for both before it overwrites the buffer
+        side = _side_stream(h2.device) if grad_weight and grad_hidden else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(h2.device))
+        if grad_weight:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0)
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start:end])
-        if grad_weight:
-            if start == 0:
-                if dw_acc.dtype == logits.dtype:
-                    torch.mm(logits.t(), h_c, out=dw_acc)
-                else:
-                    dw_acc.zero_()
-                    _accumulate_fp32(dw_acc, logits.t(), h_c)
-            elif dw_acc.dtype == logits.dtype:
-                dw_acc.addmm_(logits.t(), h_c)
-            else:
-                _accumulate_fp32(dw_acc, logits.t(), h_c)
+        if side is not None:
+            torch.cuda.current_stream(h2.device).wait_stream(side)
         if grad_bias:
             db_acc += logits.sum(0, dtype=torch.float32)
     del buffer

@@ -49,6 +49,17 @@ class EmptyLike(ArgExpr):
 
 
 @dataclass(frozen=True)
+class CastTo(ArgExpr):
+    """``source.to(dtype)``: an operand in the dtype autocast gave the op it replaces (custom ops see no autocast)."""
+
+    source: Node
+    dtype: torch.dtype
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("to", (self.source, self.dtype))
+
+
+@dataclass(frozen=True)
 class RepeatHalves(ArgExpr):
     """``cat([source, source], -1)``: per-pair cos/sin of width R/2 spread over both halves of width R."""
 
@@ -94,6 +105,8 @@ class Replacement:
     extra_outputs: tuple[tuple[Node, int], ...] = ()
     # the op computes in [B, H, T, D] what the block returns as [B, T, H, D]: transpose each output back
     transpose_outputs_12: bool = False
+    # interior nodes the graph returns that the op never computes (logits): the graph returns None in their place
+    dropped_outputs: tuple[Node, ...] = ()
 
 
 @dataclass
@@ -105,6 +118,8 @@ class Pattern:
     ``check(found, variant)`` returns the ``Replacement`` or raises ``Decline`` with a reason.
     ``combine(matches)``, if given, may merge this pattern's accepted matches of one graph into fewer fused ops
     (RoPE rotates q and k with one op); it returns the matches to apply.
+    ``judges_outside_uses``: interior values of a match that are used outside it decline the match, unless this is
+    set: then ``check`` judges such uses itself (linear_cross_entropy drops the logits a graph returns).
     """
 
     name: str
@@ -112,3 +127,4 @@ class Pattern:
     check: Callable[[Found, Variant], Replacement]
     anchors: frozenset[str] = field(default_factory=frozenset)
     combine: Callable[[list[Any]], list[Any]] | None = None
+    judges_outside_uses: bool = False

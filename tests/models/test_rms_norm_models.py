@@ -145,8 +145,8 @@ def test_low_precision_training_step_no_less_accurate_than_eager(arch, mode):
     assert fused_loss_err <= BF16_FACTOR * eager_loss_err + BF16_FLOOR
     for name, err in eager_grad_err.items():
         assert fused_grad_err[name] <= BF16_FACTOR * err + BF16_FLOOR, (name, fused_grad_err[name], err)
-    if autocast:  # the same dtypes as eager under autocast: logits and every gradient
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    if autocast:  # the same dtypes as eager under autocast: logits (computed in evaluation) and every gradient
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
             assert optimized(**data).logits.dtype == eager(**data).logits.dtype
         for p_e, p_f in zip(eager.parameters(), fused.parameters(), strict=True):
             assert p_e.grad.dtype == p_f.grad.dtype

@@ -156,19 +156,51 @@ def build_rope_arch(arch: str, seed: int = 0) -> torch.nn.Module:
     return from_config(cls_name, extra, seed)
 
 
-def assert_training_step_equals_eager(model: torch.nn.Module, config, data: dict | None = None) -> None:
+def assert_training_step_equals_eager(model: torch.nn.Module, config, data: dict | None = None, grad_tol: float = 1e-4):
     """One fp32 forward+backward through ``fuser.optimize(model, config)`` against a deep copy run eagerly:
-    loss within 1e-5 relative, every parameter gradient within 1e-4 relative."""
+    loss within 1e-5 relative, every parameter gradient within ``grad_tol`` relative. Returns both outputs."""
     import fuser
 
     reference = copy.deepcopy(model)
     data = data or batch()
-    loss_ref = reference(**data).loss
-    loss_ref.backward()
-    loss = fuser.optimize(model, config)(**data).loss
-    loss.backward()
-    assert rel(loss, loss_ref) <= 1e-5
+    out_ref = reference(**data)
+    out_ref.loss.backward()
+    out = fuser.optimize(model, config)(**data)
+    out.loss.backward()
+    assert rel(out.loss, out_ref.loss) <= 1e-5
     g, g_ref = grads(model), grads(reference)
     assert g.keys() == g_ref.keys() and g
     for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-4, name
+        assert rel(g[name], g_ref[name]) <= grad_tol, name
+    return out, out_ref
+
+
+# Architectures for the lm_head + cross-entropy tier: config class and extra config fields (one layer is enough:
+# the pattern sits after the last layer). Gemma and Gemma-2 tie lm_head to the embedding by default; Gemma-2's
+# softcap is small so that tanh is far from linear on these tiny logits.
+LCE_ARCHS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", {}),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {"final_logit_softcapping": 0.1}),
+}
+
+
+def build_lce_arch(arch: str, seed: int = 0) -> torch.nn.Module:
+    cls_name, extra = LCE_ARCHS[arch]
+    return from_config(cls_name, {"num_hidden_layers": 1, **extra}, seed)
+
+
+def lm_batch(seq: int = 16, bsz: int = 2, seed: int = 1, num_items_in_batch: bool = False) -> dict:
+    """input_ids and labels with a few ignored (-100) positions; optionally ``num_items_in_batch`` as a tensor
+    (what the HF Trainer passes under gradient accumulation)."""
+    data = batch(seq, bsz, seed)
+    labels = data["input_ids"].clone()
+    labels[0, 3:5] = -100
+    labels[-1, seq // 2] = -100
+    data["labels"] = labels
+    if num_items_in_batch:
+        # the shifted labels that count, plus some, as if this were one of several micro-batches
+        data["num_items_in_batch"] = torch.tensor(int((labels[:, 1:] != -100).sum()) + 7)
+    return data

@@ -1,0 +1,210 @@
+"""lm_head + cross-entropy: ``cross_entropy(linear(h, W).float().view(-1, V), labels)``, as the models write it.
+
+    transformers 5     linear(h[:, -0:, :], W) → .float() → view(-1, V) → cross_entropy(.., ignore_index, reduction)
+                       (``ForCausalLMLoss``; ``reduction="sum"`` and a division when ``num_items_in_batch`` is given)
+    Cohere             logits * logit_scale                      a constant scale before the loss
+    Granite            logits / logits_scaling                   its inverse is the scale
+    Gemma-2            tanh(logits / cap) * cap                  final-logit softcapping (after any scale)
+    hand-written       F.cross_entropy(lm_head(h).view(-1, V), y.view(-1)), or on 2-D logits with no view
+
+The whole chain from the linear to the loss becomes one ``torch.ops.fuser.linear_cross_entropy``, which never
+holds the full ``[tokens, vocab]`` logits in memory. What stays in the graph: the labels expression (shift by pad or
+slice, ``.contiguous()``, ``.view(-1)``, ``.to(device)``: the loss's target is the op's ``labels``) and a
+following ``/ num_items_in_batch``. Tied embeddings need nothing: the weight is the embedding's, and autograd
+sums its two gradients.
+
+A model returns its logits with the loss. In training (gradients wanted), with ``FuserConfig.keep_logits=False``,
+the graph returns ``None`` in their place (``outputs.logits is None``): Dynamo, AOT autograd and Inductor all
+accept a ``None`` graph output, so no placeholder tensor is allocated. With ``keep_logits=True``, or when no
+gradient is wanted (evaluation), returned logits decline the match and the graph computes them and the loss as
+written; so do logits returned from a nested graph (activation checkpointing), whose outputs are its
+higher-order op's. Declined too: class weights, label smoothing, ``reduction="none"``, soft (probability)
+targets, a scale or cap that is a tensor rather than a constant, softcapping with two different constants, a
+loss that is not fp32 (half-precision logits never upcast), and logits (or any value between them and the loss)
+used by anything but the graph's return.
+
+Under autocast the linear runs in a lower precision than its fp32 operands: the op gets them cast to that dtype
+(custom ops see no autocast), as eager's linear does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fuser.kernels.linear_cross_entropy  # noqa: F401  (registers torch.ops.fuser.linear_cross_entropy)
+from fuser.config import active_config
+from fuser.engine.canonical import canonical, tensor_meta
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
+from fuser.patterns.base import FLOAT_DTYPES, CastTo, Decline, Pattern, Replacement, Variant
+
+Node = torch.fx.Node
+
+
+def _constant(name: str) -> OneOf:
+    """A Python number (the model's config value), or a tensor: bound as ``<name>_tensor`` and declined."""
+    return OneOf(S(name), V(f"{name}_tensor"))
+
+
+# transformers' `hidden_states[:, slice(-logits_to_keep, None), :]` with logits_to_keep=0 selects everything
+hidden = OneOf(Op("whole", V("h")), V("h"))
+logits = OptCast(Op("linear", hidden, V("w"), OneOf(V("b"), None)), "linear_cast")
+scaled = OneOf(
+    Op("mul", logits, _constant("scale")),  # Cohere: logits * logit_scale
+    Op("div", logits, _constant("inverse_scale")),  # Granite: logits / logits_scaling
+    logits,
+)
+softcapped = OneOf(
+    Op("mul", Op("tanh", Op("div", scaled, _constant("cap_in"))), _constant("cap_out")),  # Gemma-2
+    scaled,
+)
+upcast = OptCast(softcapped, "loss_cast")
+rows = OneOf(
+    Op("rows", upcast),  # view(-1, V) / reshape(-1, V)
+    Op("flatten", upcast, S("flatten_start"), -2),  # flatten(0, -2)
+    upcast,  # logits that are 2-D already
+)
+loss = Op(
+    "cross_entropy",
+    rows,
+    V("labels"),
+    OneOf(V("class_weight"), None),
+    S("ignore_index"),
+    C("reduction"),
+    S("label_smoothing"),
+)
+
+VARIANTS = [Variant("causal lm", loss)]
+
+
+def _scalar(b: dict, name: str, what: str) -> float | None:
+    if f"{name}_tensor" in b:
+        raise Decline(f"{what} is a tensor (`{b[f'{name}_tensor'].name}`), not a constant")
+    return b.get(name)
+
+
+def _outside_uses(found: Found) -> tuple[list[Node], list[tuple[Node, Node]]]:
+    """Interior nodes the graph returns, and (interior node, user) pairs of any other use outside the match.
+
+    The ``whole`` slice of the hidden states is not interior: it is a view of the op's input, and stays in the
+    graph if something else uses it.
+    """
+    inside = set(found.nodes)
+    returned, used = [], []
+    for node in found.nodes[1:]:
+        c = canonical(node)
+        if c is not None and c.op == "whole":
+            continue
+        for user in node.users:
+            if user in inside:
+                continue
+            if user.op == "output":
+                returned.append(node)
+            else:
+                used.append((node, user))
+    return returned, used
+
+
+def _operand(node: Node, dtype: torch.dtype) -> Node | CastTo:
+    return node if tensor_meta(node).dtype == dtype else CastTo(node, dtype)
+
+
+def check_linear_cross_entropy(found: Found, variant: Variant) -> Replacement:
+    b = found.bindings
+    if b.get("class_weight") is not None:
+        raise Decline("cross_entropy with class weights (weight=)")
+    if b["label_smoothing"] != 0:
+        raise Decline(f"cross_entropy with label_smoothing={b['label_smoothing']}")
+    if b["reduction"] not in ("mean", "sum"):
+        raise Decline(f"cross_entropy reduction={b['reduction']!r} (the fused op returns one mean or sum loss)")
+    if isinstance(b["ignore_index"], float):
+        raise Decline(f"ignore_index {b['ignore_index']} is not an int")
+
+    h, w, bias = b["h"], b["w"], b.get("b")
+    ht, wt, lt = tensor_meta(h), tensor_meta(w), tensor_meta(b["labels"])
+    linear_node = next(n for n in found.nodes if (c := canonical(n)) is not None and c.op == "linear")
+    logits_t = tensor_meta(linear_node)
+    if wt.dim() != 2 or ht.dim() < 1 or not isinstance(wt.shape[0], int) or not isinstance(wt.shape[1], int):
+        raise Decline(f"lm_head weight of shape {tuple(wt.shape)} is not a static [vocab, hidden] matrix")
+    if not (isinstance(ht.shape[-1], int) and ht.shape[-1] == wt.shape[1]):
+        raise Decline(f"hidden size {ht.shape[-1]} is not the weight's {wt.shape[1]}")
+    if bias is not None and tuple(tensor_meta(bias).shape) != (wt.shape[0],):
+        raise Decline(f"bias of shape {tuple(tensor_meta(bias).shape)} is not [vocab]")
+    dtypes = [ht.dtype, wt.dtype, logits_t.dtype] + ([tensor_meta(bias).dtype] if bias is not None else [])
+    if any(d not in FLOAT_DTYPES for d in dtypes):
+        raise Decline(f"dtypes {[str(d) for d in dtypes]} are not all fp16/bf16/fp32")
+    for name in ("linear_cast", "loss_cast"):
+        if b.get(name) not in (None, torch.float32):
+            raise Decline(f"logits are cast to {b[name]} before the loss (only an fp32 upcast is fused)")
+    if lt.dtype.is_floating_point or lt.dtype.is_complex or lt.dtype == torch.bool or lt.dim() != 1:
+        raise Decline(f"target of dtype {lt.dtype} and rank {lt.dim()} is not a 1-D tensor of class indices")
+    if "flatten_start" in b and b["flatten_start"] != -logits_t.dim():
+        raise Decline(f"flatten from dim {b['flatten_start']} does not make [tokens, vocab] rows")
+    ce_input = tensor_meta(canonical(found.root).args[0])
+    if ce_input.dim() != 2:
+        raise Decline(f"cross_entropy over class dim 1 of rank-{ce_input.dim()} logits (not [tokens, vocab] rows)")
+    if tensor_meta(found.root).dtype != torch.float32:
+        raise Decline(f"the loss is {tensor_meta(found.root).dtype}; the fused op returns an fp32 loss")
+
+    logit_scale = 1.0
+    scale, inverse_scale = _scalar(b, "scale", "logit scale"), _scalar(b, "inverse_scale", "logit scaling divisor")
+    if scale is not None:
+        logit_scale = float(scale)
+    if inverse_scale is not None:
+        if inverse_scale == 0:
+            raise Decline("logits divided by 0")
+        logit_scale = 1.0 / inverse_scale
+    cap_in, cap_out = _scalar(b, "cap_in", "softcap divisor"), _scalar(b, "cap_out", "softcap multiplier")
+    softcap = 0.0
+    if cap_in is not None:
+        if cap_in != cap_out:
+            raise Decline(f"softcap tanh(x / {cap_in}) * {cap_out} uses two different constants")
+        if cap_in <= 0:
+            raise Decline(f"softcap {cap_in} is not positive")
+        softcap = float(cap_in)
+
+    # gradients are wanted when grad mode is on (at rewrite time, as at run time: Dynamo guards on it) and the
+    # logits were traced with requires_grad (false inside a no_grad region of the graph)
+    grad = torch.is_grad_enabled() and logits_t.requires_grad
+    grad_hidden, grad_weight = grad and ht.requires_grad, grad and wt.requires_grad
+    grad_bias = grad and bias is not None and tensor_meta(bias).requires_grad
+    returned, used = _outside_uses(found)
+    if used:
+        inner, user = used[0]
+        raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
+    if returned:
+        returns = f"the graph returns the logits ({', '.join(f'`{n.name}`' for n in returned)})"
+        as_written = "the loss is computed from them as written"
+        if active_config().keep_logits:
+            raise Decline(f"{returns} and FuserConfig.keep_logits=True: {as_written}")
+        if not (grad_hidden or grad_weight or grad_bias):
+            raise Decline(f"{returns} and no gradient is wanted (evaluation): {as_written}")
+
+    # autocast ran the linear in a lower precision than its operands: the op gets them in that dtype
+    compute = logits_t.dtype
+    return Replacement(
+        torch.ops.fuser.linear_cross_entropy.default,
+        (
+            _operand(h, compute),
+            _operand(w, compute),
+            None if bias is None else _operand(bias, compute),
+            b["labels"],
+            int(b["ignore_index"]),
+            b["reduction"],
+            logit_scale,
+            softcap,
+            grad_hidden,
+            grad_weight,
+            grad_bias,
+        ),
+        output_index=0,  # (loss, dhidden, dweight, dbias)
+        dropped_outputs=tuple(dict.fromkeys(returned)),
+    )
+
+
+LINEAR_CROSS_ENTROPY = Pattern(
+    "linear_cross_entropy",
+    VARIANTS,
+    check_linear_cross_entropy,
+    anchors=frozenset({"cross_entropy"}),
+    judges_outside_uses=True,
+)
