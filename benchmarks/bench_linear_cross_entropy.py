@@ -51,7 +51,7 @@ def eager_loss(h, w, labels):
     return F.cross_entropy(F.linear(h, w).float(), labels)
 
 
-def make_impls() -> dict:
+def make_impls(only: list[str] | None = None) -> dict:
     import fuser
 
     impls = {"eager": eager_loss, "inductor": None}
@@ -69,15 +69,19 @@ def make_impls() -> dict:
     except ImportError as e:
         print(f"cut-cross-entropy not available: {e}", flush=True)
 
-    def fuser_with(acc):
+    def fuser_with(acc, streams="1"):
         def run(h, w, labels):
             os.environ["FUSER_LCE_DW_ACCUMULATOR"] = acc
+            os.environ["FUSER_LCE_STREAMS"] = streams
             return fuser.linear_cross_entropy(h, w, labels)
 
         return run
 
     impls["fuser"] = fuser_with("input")
+    impls["fuser (one stream)"] = fuser_with("input", streams="0")
     impls["fuser (fp32 dW acc)"] = fuser_with("fp32")
+    if only:
+        impls = {name: fn for name, fn in impls.items() if name in only}
     return impls
 
 
@@ -172,7 +176,7 @@ def bench_shapes(impls, tflops, lines, frozen=False):
         floor = (4 if frozen else 6) * tokens * hidden * vocab / (tflops * 1e12) * 1e3
         inductor_ms = None
         for name, fn in impls.items():
-            if frozen and name not in ("eager", "inductor", "liger", "fuser"):
+            if frozen and name not in ("eager", "inductor", "liger", "fuser", "fuser (one stream)"):
                 continue
             if name == "inductor":
                 torch._dynamo.reset()
@@ -211,7 +215,7 @@ def sweep_budget(impls, lines):
         for budget_mib in (128, 224, 512):
             K.LOGITS_BUDGET_BYTES = budget_mib * MIB
             rows = K.chunk_rows(tokens, vocab, 2)
-            for name in ("fuser", "fuser (fp32 dW acc)"):
+            for name in [n for n in ("fuser", "fuser (fp32 dW acc)") if n in impls]:
                 r = bench_impl(name, impls[name], h, w, labels, ref)
                 e = r["errors"] or (None, None, None)
                 extra = None if r["extra"] is None else r["extra"] / MIB
@@ -291,7 +295,7 @@ def run(args) -> str:
         "| T×H×V | impl | ms | floor ms | extra MiB | loss err | dh err | dW err | / Inductor | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    impls = make_impls()
+    impls = make_impls(args.impls.split(",") if args.impls else None)
 
     def save():  # after every section, so a run cut short still leaves its tables
         if args.out:
@@ -301,6 +305,8 @@ def run(args) -> str:
     if not args.skip_shapes:
         bench_shapes(impls, tflops, lines)
         save()
+    if args.only_shapes:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "## Training step of a tiny Llama (vocab 128256, hidden 512, 2 layers, batch 4×2048, bf16)",
@@ -332,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-shapes", action="store_true", help="only the tiny-model training step")
+    parser.add_argument("--only-shapes", action="store_true", help="only the first table (the three shapes)")
+    parser.add_argument("--impls", default=None, help="comma-separated subset, e.g. 'inductor,fuser'")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_linear_cross_entropy: needs a CUDA GPU")
