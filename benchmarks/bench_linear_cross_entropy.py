@@ -192,7 +192,7 @@ def bench_shapes(impls, tflops, lines, frozen=False):
                 f"{fmt(e[1], '.1e')} | {fmt(e[2], '.1e')} | {fmt(ratio, '.2f')} | {r.get('note', '')} |"
             )
             print(lines[-1], flush=True)
-        if not frozen:
+        if not frozen and "fuser (fp32 dW acc)" in impls:
             lines.append(
                 f"| {tokens}×{hidden}×{vocab} | (fp32 dW accumulator of 'fuser (fp32 dW acc)', in its extra above) | "
                 f"| | {vocab * hidden * 4 / MIB:.0f} | | | | | |"
