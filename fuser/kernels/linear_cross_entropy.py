@@ -8,7 +8,9 @@
 
 Gradients, per row (fp32): ``dL/dx_t = c · (softmax(z_t) − onehot(label_t)) · (1 − tanh²(y_t/softcap)) ·
 logit_scale`` with ``c = 1/n_valid`` (mean; 0 when n_valid is 0, so an all-ignored batch gets zero gradients as
-in PyTorch) or 1 (sum), and 0 for ignored rows. Then ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias =
+in PyTorch) or 1 (sum), and 0 for ignored rows. For fp16 inputs ``c`` is applied in the backward together with
+``grad_output`` instead: ``c · (softmax − onehot) ~ 1/T`` would fall into fp16's subnormal range before a
+GradScaler's factor could lift it (bf16 has fp32's exponent range and keeps ``c`` in the forward). Then ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias =
 Σ_t G``.
 
 How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget
@@ -281,13 +283,20 @@ def _forward_chunked(
     grad_weight: bool,
     grad_bias: bool,
     triton_path: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
     labels1 = labels.reshape(-1)
     labels1 = labels1 if labels1.stride(0) == 1 else labels1.contiguous()  # the kernel reads labels at unit stride
     n_rows, vocab = h2.shape[0], weight.shape[0]
     n_valid, scale = _grad_scale(labels1, ignore_index, reduction)
+    # fp16: c · (softmax − onehot) with c = 1/n_valid would sit in fp16's subnormal range (a GradScaler multiplies
+    # only afterwards), so fp16 gradients are formed unnormalised and c joins grad_output in the backward
+    late_scale = scale
+    if h2.dtype == torch.float16:
+        scale = torch.ones_like(scale)
+    else:
+        late_scale = torch.ones_like(scale)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
     write_grad = grad_hidden or grad_weight or grad_bias
     dh = torch.empty_like(h2) if grad_hidden else h2.new_empty(0)
@@ -336,7 +345,7 @@ def _forward_chunked(
     # distinct 0-element tensors for the gradients not formed: a custom op's outputs must not alias
     dw = dw_acc.to(weight.dtype) if grad_weight else h2.new_empty(0)
     db = db_acc.to(bias.dtype) if grad_bias else h2.new_empty(0)
-    return loss, dh.view(hidden.shape) if grad_hidden else dh, dw, db
+    return loss, dh.view(hidden.shape) if grad_hidden else dh, dw, db, late_scale
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,8 +370,9 @@ def linear_cross_entropy_op(
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dhidden, dweight, dbias): the gradients for grad_output = 1, 0-element where not asked for."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dhidden, dweight, dbias, grad_scale): the gradients for grad_output = 1 once multiplied by the fp32
+    0-dim ``grad_scale`` (1, except for fp16: 1/n_valid under "mean"), 0-element where not asked for."""
     _check(hidden, weight, bias, labels, reduction)
     triton_path = use_triton(hidden) and triton_supports(hidden)
     return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
@@ -376,20 +386,21 @@ def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softca
         hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
         weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0),
         bias.new_empty(bias.shape) if grad_bias and bias is not None else hidden.new_empty(0),
+        hidden.new_empty((), dtype=torch.float32),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    _, dh, dw, db = output
-    ctx.save_for_backward(dh, dw, db)
+    _, dh, dw, db, grad_scale = output
+    ctx.save_for_backward(dh, dw, db, grad_scale)
     ctx.flags = inputs[8:11]
     ctx.has_bias = inputs[2] is not None
-    ctx.mark_non_differentiable(dh, dw, db)
+    ctx.mark_non_differentiable(dh, dw, db, grad_scale)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dloss, _ddh, _ddw, _ddb):
-    dh, dw, db = ctx.saved_tensors
+def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
+    dh, dw, db, grad_scale = ctx.saved_tensors
     grad_hidden, grad_weight, grad_bias = ctx.flags
     needs = ctx.needs_input_grad
     for i, (need, formed) in enumerate(((needs[0], grad_hidden), (needs[1], grad_weight),
@@ -401,6 +412,7 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb):
             )
     if dloss is None:
         return (None,) * 11
+    dloss = dloss * grad_scale
 
     def scaled(g, need):
         # A 0-dim fp32 grad_output: the product is computed in fp32 and rounded to g's dtype once. Eagerly, in
