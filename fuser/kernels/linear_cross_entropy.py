@@ -10,8 +10,8 @@ Gradients, per row (fp32): ``dL/dx_t = c · (softmax(z_t) − onehot(label_t)) �
 logit_scale`` with ``c = 1/n_valid`` (mean; 0 when n_valid is 0, so an all-ignored batch gets zero gradients as
 in PyTorch) or 1 (sum), and 0 for ignored rows. For fp16 inputs ``c`` is applied in the backward together with
 ``grad_output`` instead: ``c · (softmax − onehot) ~ 1/T`` would fall into fp16's subnormal range before a
-GradScaler's factor could lift it (bf16 has fp32's exponent range and keeps ``c`` in the forward). Then ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias =
-Σ_t G``.
+GradScaler's factor could lift it (bf16 has fp32's exponent range and keeps ``c`` in the forward). Then
+``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias = Σ_t G``.
 
 How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget
 (:func:`chunk_rows`, a function of the shapes only). Per chunk: one tensor-core matmul writes the chunk's logits

@@ -11,10 +11,14 @@
 The fused op computes the activation in fp32 and saves gate and up (never the activation or the product) for a
 backward that recomputes the activation. Not matched, by construction: ``silu(g) + u``, ``relu(g) * u``,
 GPT-2's ``gelu_new`` written as a tanh formula, un-gated MLPs; and declined when the activation output is used
-anywhere else, or the product feeds anything but a projection.
+anywhere else, or the product feeds anything but a projection. A custom ``torch.autograd.Function`` counts as a
+projection when its forward multiplies the product by a matrix: under QLoRA the down projection is bitsandbytes'
+``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -60,11 +64,32 @@ _PROJECTION_TARGETS = ("linear", "matmul", "mm", "addmm", "bmm", "grouped_mm", "
 _PASS_THROUGH_METHODS = ("to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "type_as")
 
 
-def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> torch.fx.Node | None:
-    """A user of the product that is not a projection (through casts and reshapes), or None.
+# Inside a custom autograd.Function's forward, the calls that multiply one operand by a matrix, and that operand's
+# position. Named exactly, not by substring: here we vouch for code that no nn.Linear stands for.
+_MATMUL_FUNCTIONS = {
+    torch.nn.functional.linear: 0,  # also torch._C._nn.linear, the same object
+    torch.matmul: 0,
+    operator.matmul: 0,  # x @ w
+    torch.mm: 0,
+    torch.bmm: 0,
+    torch.addmm: 1,  # addmm(bias, x, w)
+}
+_MATMUL_METHODS = {"matmul": 0, "mm": 0, "bmm": 0, "__matmul__": 0}
+# custom ops by qualified name, so that bitsandbytes need not be importable: its 4-bit GEMM dequantises the packed
+# NF4/FP4 matrix B and returns A @ B.T (gemv_4bit: the same for few rows)
+_MATMUL_OPS = {"bitsandbytes::gemm_4bit": 0, "bitsandbytes::gemv_4bit": 0}
+# reads of a tensor's shape, not of its values: bitsandbytes' forward checks ``A.numel() == 0``, which Dynamo keeps
+# in the graph once sizes are dynamic
+_METADATA_METHODS = ("size", "dim", "numel", "stride")
+_AUTOGRAD_FUNCTION_APPLY = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+
+
+def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
+    """A user of the product that is not a projection (through casts and reshapes), as text for the report; or None.
 
     The product of a gated MLP feeds the down projection (and, with LoRA, its ``lora_A``); anything else using
-    it (a second branch, a graph output) means the block is not the plain MLP the op is built for.
+    it (a second branch, a graph output) means the block is not the plain MLP the op is built for. A custom
+    autograd.Function is judged by its forward (see :func:`_why_autograd_function_is_no_projection`).
     """
     for user in node.users:
         name = str(getattr(user.target, "__name__", user.target))
@@ -72,13 +97,105 @@ def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> torch.fx.Node |
             bad = _non_projection_user(user, depth + 1)
             if bad is not None:
                 return bad
+        elif _AUTOGRAD_FUNCTION_APPLY is not None and user.target is _AUTOGRAD_FUNCTION_APPLY:
+            why = _why_autograd_function_is_no_projection(user, node)
+            if why is not None:
+                return f"`{user.name}` ({why})"
         elif user.op == "call_function" and any(t in name for t in _PROJECTION_TARGETS):
             continue
         elif user.op == "call_module":
             continue
         else:
-            return user
+            return f"`{user.name}`"
     return None
+
+
+def _why_autograd_function_is_no_projection(apply: torch.fx.Node, operand: torch.fx.Node) -> str | None:
+    """Why the custom autograd.Function that ``apply`` calls is not a projection of ``operand``; None if it is.
+
+    QLoRA's base layers are bitsandbytes ``Linear4bit``: their matmul is the autograd.Function ``MatMul4Bit``
+    (forward: ``gemm_4bit(A, packed_B, ...)``, a dequantise-and-multiply; backward: ``grad @ dequantize(B)``),
+    which Dynamo records as ``autograd_function_apply(fwd_body, bwd_body, *operands)`` with the forward and
+    backward as nested graphs. From outside, such a call could compute anything, so it is read, not trusted by
+    name: it counts as a projection of ``operand`` only if, in its forward graph, every use of that input
+    (through casts and reshapes) is the input operand of a matrix product (``linear``, ``matmul``/``@``, ``mm``,
+    ``bmm``, ``addmm``, bitsandbytes' ``gemm_4bit``/``gemv_4bit``), saving it for backward, or reading its
+    shape. What its backward does is its own business: the fused op only hands it the product and takes back
+    its gradient.
+    """
+    module = apply.graph.owning_module
+    body = apply.args[0]
+    if module is None or not isinstance(body, torch.fx.Node) or body.op != "get_attr":
+        return "a custom autograd.Function whose forward graph is not at hand"
+    forward = operator.attrgetter(body.target)(module)
+    inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    operands = list(apply.args[2:])
+    if len(inputs) == len(operands) + 1:
+        inputs = inputs[1:]  # older torch passes a placeholder ``ctx`` first
+    if len(inputs) != len(operands):
+        return f"a custom autograd.Function whose forward `{body.target}` takes other inputs than it is given"
+    for operand_at, placeholder in zip(operands, inputs, strict=True):
+        if operand_at is not operand:
+            continue
+        bad = _use_other_than_matmul(placeholder)
+        if bad is not None:
+            return (
+                f"a custom autograd.Function whose forward `{body.target}` uses it in `{bad.format_node()}`, "
+                "not as the input of a matrix product"
+            )
+    return None
+
+
+def _use_other_than_matmul(value: torch.fx.Node, depth: int = 0) -> torch.fx.Node | None:
+    """In a custom autograd.Function's forward graph: a use of ``value`` other than as the input operand of a
+    matrix product, saved for backward or read for its shape (through casts and reshapes), or None."""
+    for user in value.users:
+        if user.op == "call_method" and user.target in _PASS_THROUGH_METHODS and user.args[0] is value and depth < 4:
+            bad = _use_other_than_matmul(user, depth + 1)
+            if bad is not None:
+                return bad
+        elif (user.op == "call_method" and user.target in _METADATA_METHODS) or (
+            user.op == "call_function" and user.target is torch.numel
+        ):
+            continue
+        elif user.op == "output":
+            # the forward returns ((outputs...), (saved for backward...)): returning the value itself is no product
+            returned = user.args[0]
+            if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and _count_uses(returned[1], value)):
+                return user
+            if _count_uses(returned[0], value):
+                return user
+        else:
+            index = _matmul_input_index(user)
+            args = list(user.args)
+            if index is None or index >= len(args) or args[index] is not value:
+                return user
+            if _count_uses((user.args, user.kwargs), value) != 1:  # x @ x is no multiplication by a matrix
+                return user
+    return None
+
+
+def _matmul_input_index(node: torch.fx.Node) -> int | None:
+    """Position of the operand that ``node`` multiplies by a matrix, if it is a matrix product; else None."""
+    if node.op == "call_method":
+        return _MATMUL_METHODS.get(node.target)
+    if node.op != "call_function":
+        return None
+    # an OpOverload (torch.ops.ns.op.default) names its op in its schema, a packet (torch.ops.ns.op) directly
+    qualified = getattr(getattr(node.target, "_schema", None), "name", None)
+    qualified = qualified or getattr(node.target, "_qualified_op_name", None)
+    if qualified is not None:
+        return _MATMUL_OPS.get(qualified)
+    try:
+        return _MATMUL_FUNCTIONS.get(node.target)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+def _count_uses(args: object, value: torch.fx.Node) -> int:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, lambda n: found.append(n) if n is value else None)
+    return len(found)
 
 
 def _check(found: Found, variant: Variant, activation: str) -> Replacement:
@@ -86,7 +203,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     out = tensor_meta(found.root)
     other = _non_projection_user(found.root)
     if other is not None:
-        raise Decline(f"the product is also used by `{other.name}`, not only by a projection")
+        raise Decline(f"the product is also used by {other}, not only by a projection")
     if activation != "silu":
         if b.get("approximate") not in _GELU_MODES:
             raise Decline(f"gelu approximate={b.get('approximate')!r} is not 'tanh' or 'none'")
