@@ -34,6 +34,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_common import rel_err
 
 SHAPES = ((8192, 2304, 256000), (8192, 4096, 128256), (16384, 4096, 151936))
 IGNORED_FRACTION = 0.05
@@ -85,11 +86,6 @@ def make_impls(only: list[str] | None = None) -> dict:
     return impls
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def reference(h, w, labels):
     torch.backends.cuda.matmul.allow_tf32 = False
     h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
@@ -112,7 +108,11 @@ def bench_impl(name, fn, h0, w0, labels, ref, frozen_weight=False):
         for _ in range(2):  # warm-up: compiles, autotuning
             loss = one_call(fn, h, w, labels)
         torch.cuda.synchronize()
-        errors = (rel(loss, ref[0]), rel(h.grad, ref[1]), rel(w.grad, ref[2]) if not frozen_weight else None)
+        errors = (
+            rel_err(loss.detach(), ref[0]),
+            rel_err(h.grad, ref[1]),
+            rel_err(w.grad, ref[2]) if not frozen_weight else None,
+        )
         h.grad = w.grad = None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
