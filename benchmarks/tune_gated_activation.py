@@ -5,8 +5,9 @@ For each (activation, rows, I) in bf16 it times every tile shape (rows per tile,
 forward (reads g, u; writes out) and the backward (reads dout, g, u; writes dg, du) as the replay of a CUDA graph
 that cycles through enough buffers to defeat the L2 cache, and the Inductor-compiled formula of each pass
 (``F.silu(g) * u`` / ``F.gelu(g, approximate="tanh") * u`` and their ``aten`` backward formulas) the same way.
-``gelu_tanh`` is also tried through ``libdevice.tanh`` (activation code 3) instead of the sigmoid form. The
-result chooses ``_launch_config``; it is a tool, not a test.
+The result chose ``_launch_config``; it is a tool, not a test. (The 2026-11-30 run also tried ``gelu_tanh``
+through ``libdevice.tanh`` as activation code 3, a kernel branch since removed: it was no faster than the sigmoid
+form, see ``results/tune_gated_activation_h200_2026-11-30.md``.)
 
     python benchmarks/tune_gated_activation.py [--out FILE]
 """
@@ -72,7 +73,7 @@ def tune_shape(activation, rows, cols):
     count = max(2, -(-3 * L2_BYTES // nbytes))
     gs, us, douts = _buffers(rows, cols, count), _buffers(rows, cols, count), _buffers(rows, cols, count)
     outs, dgs, dus = _buffers(rows, cols, count), _buffers(rows, cols, count), _buffers(rows, cols, count)
-    codes = {"silu": [0], "gelu_tanh": [1, 3]}[activation]
+    codes = [K._ACTIVATION_CODE[activation]]
     res = {"fwd": [], "bwd": []}
     for code, (bm, bn, warps) in itertools.product(codes, TILES):
         grid = (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),)

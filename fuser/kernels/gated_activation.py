@@ -42,9 +42,6 @@ import torch
 
 from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
 
-if HAS_TRITON:
-    from triton.language.extra import libdevice
-
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 
@@ -254,15 +251,10 @@ if HAS_TRITON:
             s = _sigmoid(2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g))
             act = g * s
             dact = s * (1.0 + 2.0 * g * (1.0 - s) * (0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)))
-        elif ACTIVATION == 2:  # gelu (erf)
+        else:  # gelu (erf)
             cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
             act = g * cdf
             dact = cdf + g * (tl.exp(-0.5 * g * g) * 0.3989422804014327)
-        else:  # gelu_tanh through libdevice.tanh (GPU only: the interpreter lacks it; a tuning candidate)
-            t = libdevice.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
-            act = 0.5 * g * (1.0 + t)
-            dz = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
-            dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dz
         return act, dact
 
     @triton.jit
