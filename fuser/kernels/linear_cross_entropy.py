@@ -13,15 +13,15 @@ in PyTorch) or 1 (sum), and 0 for ignored rows. For fp16 inputs ``c`` is applied
 GradScaler's factor could lift it (bf16 has fp32's exponent range and keeps ``c`` in the forward). Then
 ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias = Σ_t G``.
 
-How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget
-(:func:`chunk_rows`, a function of the shapes only). Per chunk: one tensor-core matmul writes the chunk's logits
-in the input dtype; one Triton kernel (one program per row) computes each row's log-sum-exp online over the
-vocabulary, the row's loss, and then overwrites the logits with the row's gradient (in the input dtype, as eager's
-bf16 logits gradient is); two more matmuls turn that into the chunk's rows of ``dhidden`` and add its share of
-``dweight`` (skipped for a frozen weight, e.g. under LoRA: a third of the FLOPs). The gradients are thus formed
-in the forward (as Liger-Kernel does) rather than by recomputing the logits in the backward, which would cost
-8·T·H·V FLOPs instead of 6. The backward only multiplies them by ``grad_output``. No host synchronisation:
-``n_valid`` stays on the device.
+How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget (:func:`chunk_rows`, a
+function of the shapes only: the fewest chunks that fit, of near-equal size). Per chunk: one tensor-core matmul writes
+the chunk's logits in the input dtype; one Triton kernel (one program per row) computes each row's log-sum-exp online
+over the vocabulary, the row's loss, and then overwrites the logits with the row's gradient (in the input dtype, as
+eager's bf16 logits gradient is); two more matmuls turn that into the chunk's rows of ``dhidden`` and add its share of
+``dweight`` (skipped for a frozen weight, e.g. under LoRA: a third of the FLOPs). The gradients are thus formed in the
+forward (as Liger-Kernel does) rather than by recomputing the logits in the backward, which would cost 8·T·H·V FLOPs
+instead of 6. The backward only multiplies them by ``grad_output`` (eagerly: in place, in a Triton kernel that skips
+the pass when ``grad_output`` is 1, decided on the device). No host synchronisation: ``n_valid`` stays on the device.
 
 The weight gradient is accumulated over the chunks in the weight's dtype (``FUSER_LCE_DW_ACCUMULATOR=input``, the
 default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``=fp32``: one extra ``[V, H]``
@@ -49,11 +49,20 @@ _ACCUMULATORS = ("fp32", "input")
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None) -> int:
-    """Rows per chunk: as many as fit ``budget`` bytes of logits (default ``LOGITS_BUDGET_BYTES``), a multiple of
-    64 (tensor-core tiles), ≥ 64."""
+    """Rows per chunk: the fewest chunks whose logits each fit ``budget`` bytes (default ``LOGITS_BUDGET_BYTES``),
+    split as evenly as a multiple of 8 rows allows; never below 64 rows (one tensor-core tile), even over budget.
+
+    Even, not "as many as fit, then the rest": every chunk costs one read and write of the whole ``[V, H]`` weight
+    gradient, so a small tail chunk pays that pass for a sliver of work (8192 rows at V = 256000: 18 chunks of 456
+    instead of 18 of 448 and one of 128). Multiples of 8 keep the matmuls' K (the weight gradient's) 16-byte aligned.
+    """
     budget = LOGITS_BUDGET_BYTES if budget is None else budget
-    rows = max(64, budget // max(1, vocab * itemsize) // 64 * 64)
-    return max(1, min(n_rows, rows))
+    most = max(64, budget // max(1, vocab * itemsize) // 8 * 8)
+    if n_rows <= most:
+        return max(1, n_rows)
+    n_chunks = -(-n_rows // most)
+    even = -(-n_rows // n_chunks)
+    return min(most, -(-even // 8) * 8)
 
 
 def dweight_accumulator(weight: torch.Tensor) -> str:
@@ -202,6 +211,17 @@ if HAS_TRITON:
                 if HAS_SOFTCAP:
                     d = d * (1.0 - t * t)
                 tl.store(row_ptr + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def scale_inplace_kernel(x_ptr, n, s_ptr, BLOCK: tl.constexpr):
+        # x *= s (fp32 math, one rounding), skipped on the device when s == 1: a plain loss.backward() then costs
+        # no pass over the [V, H] weight gradient, and no host synchronisation decides it
+        s = tl.load(s_ptr)
+        if s != 1.0:
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad) -> None:
@@ -387,6 +407,12 @@ def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softca
     )
 
 
+def _scale_inplace(g: torch.Tensor, s: torch.Tensor) -> None:
+    """g *= s for a contiguous gradient buffer and a 0-dim fp32 device scalar; nothing is written when s == 1."""
+    block = 4096 if g.is_cuda else 1024
+    scale_inplace_kernel[(triton.cdiv(g.numel(), block),)](g, g.numel(), s.reshape(1), BLOCK=block, num_warps=4)
+
+
 def _setup_context(ctx, inputs, output):
     _, dh, dw, db, grad_scale = output
     ctx.save_for_backward(dh, dw, db, grad_scale)
@@ -417,7 +443,10 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
         # a second [V, H] weight gradient would double the op's memory here, and the generic mul_ with a 0-dim
         # CUDA tensor of another dtype took 2.5 ms for a [256000, 2304] bf16 one on the H200 (~4x its bytes' time).
         wanted = [g for g, need in grads if need and g.numel()]
-        if wanted:
+        if wanted and use_triton(wanted[0]) and all(triton_supports(g) and g.is_contiguous() for g in wanted):
+            for g in wanted:
+                _scale_inplace(g, dloss)
+        elif wanted:
             torch._foreach_mul_(wanted, dloss)
         return *(g if need else None for g, need in grads), *(None,) * 8
     # Traced (AOT autograd: functional tensor subclasses): out of place, as AOT rejects mutating a saved tensor in

@@ -224,14 +224,21 @@ def path(request, monkeypatch):
 
 
 def small_chunks(monkeypatch, rows=64):
-    """Shrink the logits budget so a chunk holds ``rows`` (a multiple of 64) rows."""
-    assert rows % 64 == 0
+    """Shrink the logits budget so a chunk holds at most ``rows`` (≥ 64, a multiple of 8) rows; the op then splits
+    the rows evenly (70 rows: 40 + 30; 130 rows: 48 + 48 + 34)."""
+    assert rows >= 64 and rows % 8 == 0
     monkeypatch.setattr(
         lce_module, "chunk_rows", lambda n, v, size: REAL_CHUNK_ROWS(n, v, size, budget=rows * v * size)
     )
 
 
-def split(n_rows, rows_per_chunk):
+def split(n_rows, most):
+    """The chunks ``chunk_rows`` gives for at most ``most`` rows each, worked out by hand: the fewest chunks, their
+    rows rounded up to a multiple of 8 (the last one takes the rest)."""
+    if n_rows <= most:
+        return [n_rows] if n_rows else []
+    n_chunks = -(-n_rows // most)
+    rows_per_chunk = math.ceil(math.ceil(n_rows / n_chunks) / 8) * 8
     return [min(rows_per_chunk, n_rows - s) for s in range(0, n_rows, rows_per_chunk)] if n_rows else []
 
 
@@ -357,7 +364,7 @@ def test_frozen_leaves_form_only_the_asked_gradients(requires, path, gen, monkey
     labels = make_labels(70, 257, gen, n_ignored=10)
     loss, grads = run_fuser(h, w, b, labels, requires)
     assert flags == [requires], "the op was asked to form gradients nobody needs (or not the ones needed)"
-    path.check([64, 6])
+    path.check([40, 30])
     ref_loss, ref_grads = fp64_reference(h, w, b, labels, requires)
     assert_close("loss", loss, ref_loss, TOL32)
     check_grads(grads, ref_grads, TOL32, requires)
@@ -417,6 +424,24 @@ def test_grad_output_inf_and_nan_pass_through(path, gen):
         assert all(not torch.isfinite(g).all() for g in grads if g is not None)
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_scale_inplace_kernel(dtype, gen, monkeypatch):
+    """The eager backward's in-place ``g *= grad_output`` (Triton): one fp32 product rounded once, the masked tail
+    left alone, and no write at all when the scale is 1."""
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    n = 2 * 1024 + 17  # two full blocks and a partial one
+    storage = torch.randn(n + 40, generator=gen).to(dtype)
+    g, beyond = storage[:n], storage[n:].clone()
+    for s in (2.5, 1.0, -3.0, float("nan")):
+        before = g.clone()
+        lce_module._scale_inplace(g, torch.tensor(s))
+        expected = before if s == 1.0 else (before.float() * s).to(dtype)
+        assert torch.equal(g, expected) or (s != s and g.isnan().all()), f"scale {s}: wrong product"
+        assert torch.equal(storage[n:], beyond), f"scale {s}: wrote past the tensor's end"
+        g.copy_(before if s == s else torch.randn(n, generator=gen).to(dtype))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The weight gradient's accumulators (fp16 weight, several chunks)
 # ---------------------------------------------------------------------------------------------------------
@@ -431,11 +456,11 @@ def test_dweight_accumulators(accumulator, path, gen, monkeypatch):
         lce_module, "_accumulate_fp32", lambda acc, a, b: fp32_adds.append(acc.dtype) or real(acc, a, b)
     )
     small_chunks(monkeypatch)
-    n_rows = 130  # chunks of 64, 64, 2
+    n_rows = 130  # chunks of 48, 48, 34
     h, w, b = make_inputs((n_rows,), 64, 257, torch.float16, gen, bias=True)
     labels = make_labels(n_rows, 257, gen, n_ignored=12)
     loss, grads = run_fuser(h, w, b, labels)
-    path.check([64, 64, 2])
+    path.check([48, 48, 34])
     n_chunks = 3
     # the fp32 accumulator adds every chunk's share into an fp32 buffer; "input" accumulates in fp16 in place
     assert fp32_adds == ([torch.float32] * n_chunks if accumulator == "fp32" else [])
@@ -473,7 +498,7 @@ def test_all_rows_ignored_behaves_like_pytorch(reduction, ignore_index, path, ge
     h, w, b = make_inputs((2, 35), 24, 50, torch.float32, gen, bias=True)
     labels = torch.full((70,), ignore_index)
     loss, grads = run_fuser(h, w, b, labels, ignore_index=ignore_index, reduction=reduction)
-    path.check([64, 6])
+    path.check([40, 30])
     # what PyTorch does (checked here, not assumed): mean over no rows is 0/0 = NaN, sum is 0, gradients all zero
     ref_loss, ref_grads = run_model(h, w, b, labels, torch.float32, torch.float32, ignore_index=ignore_index,
                                     reduction=reduction)  # fmt: skip
@@ -575,26 +600,34 @@ def test_fp16_gradients_keep_precision_under_loss_scaling(gen, monkeypatch):
 @pytest.mark.parametrize("budget", [LOGITS_BUDGET_BYTES, 1 << 20, 64 * 1000 * 4 + 1])
 def test_chunk_rows(budget):
     for n_rows, vocab, itemsize in itertools.product(
-        [1, 37, 63, 64, 65, 130, 4096, 1 << 20], [50, 257, 1000, 32000, 128256, 262144, 4_000_000], [2, 4]
+        [1, 37, 63, 64, 65, 130, 4096, 8192, 1 << 20], [50, 257, 1000, 32000, 128256, 262144, 4_000_000], [2, 4]
     ):
         rows = chunk_rows(n_rows, vocab, itemsize, budget)
         case = f"chunk_rows({n_rows}, {vocab}, {itemsize}, {budget}) = {rows}"
         assert rows == chunk_rows(n_rows, vocab, itemsize, budget), case  # a function of the shapes only
         assert 1 <= rows <= n_rows, case
-        assert rows == n_rows or rows % 64 == 0, f"{case}: neither all rows nor a multiple of 64"
+        assert rows == n_rows or rows % 8 == 0, f"{case}: neither all rows nor a multiple of 8"
         if rows > 64:
             assert rows * vocab * itemsize <= budget, f"{case}: a chunk's logits exceed the budget"
-        if rows < n_rows:
-            assert rows == 64 or (rows + 64) * vocab * itemsize > budget, f"{case}: 64 more rows would fit"
+        n_chunks = -(-n_rows // rows)
+        if n_chunks > 1 and 64 * vocab * itemsize <= budget:
+            # the fewest chunks: one fewer would need more rows (a multiple of 8) than the budget holds
+            fewer = -(-n_rows // (n_chunks - 1))
+            assert -(-fewer // 8) * 8 * vocab * itemsize > budget, f"{case}: {n_chunks - 1} chunks would fit"
+        if n_chunks > 1:
+            # as even as multiples of 8 allow: no chunk more than 8 rows above the mean
+            assert rows < n_rows / n_chunks + 8, f"{case}: uneven ({n_chunks} chunks)"
 
 
 def test_chunk_rows_at_real_shapes():
     assert lce_module.LOGITS_BUDGET_BYTES == 224 << 20  # the figures below are for this budget
-    assert chunk_rows(8192, 128256, 2) == 896  # Llama-3: 896 rows · 128256 · 2 B = 219.2 MiB ≤ 224 MiB
-    assert chunk_rows(8192, 256000, 2) == 448  # Gemma: 448 · 256000 · 2 B = 218.8 MiB
-    assert chunk_rows(8192, 32000, 2) == 3648
+    assert chunk_rows(8192, 128256, 2) == 912  # Llama-3: 9 chunks; 912 · 128256 · 2 B = 223.1 MiB ≤ 224 MiB
+    assert chunk_rows(8192, 256000, 2) == 456  # Gemma: 18 chunks (448 would need 19); 222.7 MiB
+    assert chunk_rows(16384, 151936, 2) == 752  # Qwen: 22 chunks (at most 768 fit: 16384 / 768 → 22)
+    assert chunk_rows(8192, 32000, 2) == 2736  # 3 chunks
     assert chunk_rows(100, 32000, 2) == 100
     assert chunk_rows(4096, 4_000_000, 4) == 64  # never below one tensor-core tile, even over the budget
+    assert split(70, 64) == [40, 30] and split(130, 64) == [48, 48, 34] and split(33, 64) == [33]
 
 
 def test_op_uses_chunk_rows(path, gen, monkeypatch):
@@ -609,7 +642,7 @@ def test_op_uses_chunk_rows(path, gen, monkeypatch):
     monkeypatch.setattr(lce_module, "LOGITS_BUDGET_BYTES", 64 * 50 * 2)
     h, w, _ = make_inputs((70,), 24, 50, torch.float16, gen)
     run_fuser(h, w, None, make_labels(70, 50, gen))
-    path.check([64, 6])
+    path.check([40, 30])
 
 
 def test_rejects_bad_arguments():
