@@ -73,6 +73,7 @@ _FUNCTIONS = _fn_names(
     (torch.nn.functional.tanh, "tanh"),
     (torch.nn.functional.linear, "linear"),  # torch._C._nn.linear, what Dynamo records for nn.Linear
     (torch.nn.functional.cross_entropy, "cross_entropy"),
+    (torch.nn.functional.scaled_dot_product_attention, "sdpa"),  # torch._C._nn.scaled_dot_product_attention
 )
 _METHODS = {
     "mul": "mul",
@@ -303,6 +304,16 @@ _SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         ("reduction", "mean"),
         ("label_smoothing", 0.0),
     ),
+    "sdpa": (
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("attn_mask", None),
+        ("dropout_p", 0.0),
+        ("is_causal", False),
+        ("scale", None),
+        ("enable_gqa", False),
+    ),
 }
 
 
@@ -316,7 +327,7 @@ def _bound(node: Node, op: str) -> Canon | None:
     bound = dict(_SIGNATURES[op])
     bound.update(zip(names, node.args, strict=False))
     bound.update(node.kwargs)
-    if tensor_meta(bound["input"]) is None:
+    if tensor_meta(bound[names[0]]) is None:
         return None
     if op == "cross_entropy" and (bound.pop("size_average"), bound.pop("reduce")) != (None, None):
         return None

@@ -32,6 +32,9 @@ from fuser.engine.canonical import COMMUTATIVE, canonical, is_noop_cast, strip_e
 
 Node = torch.fx.Node
 
+# placeholder.meta key: the node of the enclosing graph that a nested body's input receives (set by the rewrite)
+OUTER_VALUE = "fuser_outer_value"
+
 
 class Pat:
     """Base of the pattern-tree nodes."""

@@ -26,7 +26,7 @@ import torch.fx
 
 from fuser.config import FuserConfig, using_config
 from fuser.engine.canonical import canonical, module_path, source_line
-from fuser.engine.match import Found, escaping_use, match_tree
+from fuser.engine.match import OUTER_VALUE, Found, escaping_use, match_tree
 from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
 
 log = logging.getLogger("fuser")
@@ -152,12 +152,38 @@ def _try_patterns(
     return None
 
 
+# higher-order ops whose body receives the operands unchanged: ``op(body, *operands)``
+_PASS_THROUGH_HOPS = ("tag_activation_checkpoint", "wrap")
+
+
+def link_nested_inputs(gm: torch.fx.GraphModule) -> None:
+    """Mark each placeholder of a nested body (activation checkpointing) with the enclosing graph's node it
+    receives, so a check can follow a value across the boundary (``node.meta[OUTER_VALUE]``)."""
+    for _, module in subgraph_modules(gm):
+        for node in module.graph.nodes:
+            hop = getattr(node.target, "__name__", None) or str(node.target)
+            if node.op != "call_function" or not hop.endswith(_PASS_THROUGH_HOPS) or not node.args:
+                continue
+            body_attr = node.args[0]
+            if not isinstance(body_attr, Node) or body_attr.op != "get_attr":
+                continue
+            body = getattr(module, body_attr.target, None)
+            if not isinstance(body, torch.fx.GraphModule):
+                continue
+            inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+            if len(inputs) == len(node.args) - 1:
+                for placeholder, outer in zip(inputs, node.args[1:], strict=True):
+                    if isinstance(outer, Node):
+                        placeholder.meta[OUTER_VALUE] = outer
+
+
 def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig | None = None) -> RewriteResult:
     """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing.
 
     The checks that depend on ``config`` (``keep_logits``) read it through :func:`fuser.config.active_config`.
     """
     result = RewriteResult()
+    link_nested_inputs(gm)
     with using_config(config or FuserConfig()):
         for name, module in subgraph_modules(gm):
             _find_in_graph(module.graph, patterns, name, result)

@@ -1,11 +1,14 @@
 """The registry of patterns, by name (the keys of ``fuser.explain(...).counts``)."""
 
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.causal_attention import CAUSAL_ATTENTION
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
 from fuser.patterns.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fuser.patterns.rms_norm import RMS_NORM
 from fuser.patterns.rope import ROPE
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMS_NORM, ROPE, SWIGLU, GEGLU, LINEAR_CROSS_ENTROPY)}
+PATTERNS: dict[str, Pattern] = {
+    p.name: p for p in (RMS_NORM, ROPE, SWIGLU, GEGLU, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION)
+}
 
 __all__ = ["PATTERNS", "Decline", "Pattern", "Replacement", "Variant"]

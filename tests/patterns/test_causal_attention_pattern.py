@@ -1,0 +1,227 @@
+"""Tier 1: an explicit causal mask passed to SDPA becomes ``is_causal=True`` — only when the mask is proved causal.
+
+The graphs are written as Hugging Face transformers 5.17 builds them under ``torch.compile`` (the mask from
+``arange`` comparisons, expanded over the batch; captured from a tiny Llama and copied here by hand), and as
+near-misses that must stay as written: a sliding window, a padding mask from the batch, a finite float fill, a
+random mask, unequal lengths, dynamic shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import fuser
+import fuser.patterns.causal_attention as module
+from fuser.dynamo_backend import FuserBackend
+from fuser.engine.rewrite import rewrite
+from fuser.patterns import PATTERNS
+
+B, H, T, D = 2, 4, 16, 8
+STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
+
+
+def qkv(gen, t_q=T, t_k=T, dtype=torch.float32):
+    q = torch.randn(B, H, t_q, D, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(B, H, t_k, D, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(B, H, t_k, D, generator=gen, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+# --- masks that are the causal mask --------------------------------------------------------------------------
+
+
+def hf_5_17(q, k, v):  # transformers 5.17 under torch.compile: arange comparisons, expanded over the batch
+    t = q.shape[-2]
+    kv_idx = (torch.arange(t, device=q.device) + 0)[None, None, None, :]
+    q_idx = (torch.arange(t, device=q.device) + 0)[None, None, :, None]
+    mask = (kv_idx <= q_idx).expand(q.shape[0], -1, t, t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=0.3, is_causal=False)
+
+
+def tril_bool(q, k, v):  # a plain [T, T] tril of ones
+    mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, mask)
+
+
+def float_minus_inf(q, k, v):  # additive float mask: 0 on and below the diagonal, -inf above
+    mask = torch.full((q.shape[-2], q.shape[-2]), float("-inf"), device=q.device).triu(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn", [hf_5_17, tril_bool, float_minus_inf], ids=lambda f: f.__name__)
+def test_causal_masks_become_is_causal_and_train_the_same(fn, gen):
+    q, k, v = qkv(gen)
+    report = fuser.explain(fn, q, k, v, config=STRICT)
+    assert report.counts == {"causal_attention": 1}, str(report)
+    expected = fn(q, k, v)
+    expected.square().sum().backward()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    fuser.backend(STRICT).results.clear()
+    out = torch.compile(fn, backend=fuser.backend(STRICT))(q, k, v)
+    assert fuser.backend(STRICT).counts == {"causal_attention": 1}
+    out.square().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for name, t, r in zip("qkv", (q, k, v), ref_grads, strict=True):
+        torch.testing.assert_close(t.grad, r, rtol=1e-5, atol=1e-5, msg=f"d{name}")
+
+
+def test_rewritten_graph_calls_sdpa_with_is_causal(gen):
+    """The rewritten graph has no mask left: SDPA is called with is_causal=True and the original scale."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((len(args), {k: v for k, v in kwargs.items() if k != "dropout_p"}))
+        return real(*args, **kwargs)
+
+    q, k, v = qkv(gen)
+    gm, _ = rewrite(_capture(hf_5_17, q, k, v), [PATTERNS["causal_attention"]])
+    module.F.scaled_dot_product_attention = spy
+    try:
+        gm(*[x.detach() for x in (q, k, v)])
+    finally:
+        module.F.scaled_dot_product_attention = real
+    assert calls == [(3, {"is_causal": True, "scale": 0.3})]
+
+
+def _capture(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=backend)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def test_mask_computed_outside_a_checkpointed_body(gen):
+    """Activation checkpointing passes the mask into the checkpointed body as an input: it is followed back to the
+    enclosing graph, proved causal there, and the training step equals eager."""
+
+    def attention(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def model(q, k, v):
+        t = q.shape[-2]
+        mask = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        return torch.utils.checkpoint.checkpoint(attention, q * 2, k, v, mask, use_reentrant=False)
+
+    q, k, v = qkv(gen)
+    assert fuser.explain(model, q, k, v, config=STRICT).counts == {"causal_attention": 1}
+    expected = model(q, k, v)
+    expected.sum().backward()
+    ref = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = torch.compile(model, backend=fuser.backend(STRICT))(q, k, v)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for t, r in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(t.grad, r, rtol=1e-5, atol=1e-5)
+
+
+# --- near-misses: left as written, with the reason --------------------------------------------------------------
+
+
+def sliding_window(q, k, v):
+    i = torch.arange(q.shape[-2])
+    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def finite_fill(q, k, v):  # finfo.min, not -inf: not the same function as is_causal
+    mask = torch.full((q.shape[-2], q.shape[-2]), torch.finfo(q.dtype).min).triu(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def random_mask(q, k, v):
+    mask = torch.rand(q.shape[-2], q.shape[-2]) > 0.5
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def upper_triangle(q, k, v):  # anti-causal
+    mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).triu()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def one_batch_differs(q, k, v):  # causal for batch 0, a window for batch 1
+    i = torch.arange(q.shape[-2])
+    causal = i[None, :] <= i[:, None]
+    mask = torch.stack([causal, causal & (i[:, None] - i[None, :] < 4)])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (sliding_window, "not the plain causal mask"),
+        (finite_fill, "values other than 0 and -inf"),
+        (random_mask, "random op"),
+        (upper_triangle, "not the plain causal mask"),
+        (one_batch_differs, "not the plain causal mask"),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_masks_that_are_not_causal_are_declined(fn, reason, gen):
+    q, k, v = qkv(gen)
+    report = fuser.explain(fn, q, k, v, config=STRICT)
+    assert report.counts == {}, str(report)
+    reasons = [nm.reason for nm in report.near_misses if nm.pattern == "causal_attention"]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    out = torch.compile(fn, backend=fuser.backend(STRICT))(q, k, v)
+    if fn is not random_mask:
+        torch.testing.assert_close(out, fn(q, k, v))
+
+
+def test_padding_mask_from_the_batch_is_declined(gen):
+    def model(q, k, v, keep):
+        i = torch.arange(q.shape[-2])
+        mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = qkv(gen)
+    keep = torch.ones(B, T, dtype=torch.bool)  # all ones today; its values are not known when compiling
+    report = fuser.explain(model, q, k, v, keep, config=STRICT)
+    assert report.counts == {}
+    assert any("depends on the graph input" in nm.reason for nm in report.near_misses), str(report)
+
+
+def test_unequal_lengths_and_is_causal_already_set(gen):
+    q, k, v = qkv(gen, t_q=8, t_k=T)
+
+    def cross(q, k, v):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    report = fuser.explain(cross, q, k, v, config=STRICT)
+    assert report.counts == {} and "differs from key length" in report.near_misses[0].reason, str(report)
+
+    def already(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = qkv(gen)
+    report = fuser.explain(already, q, k, v, config=STRICT)
+    assert report.counts == {} and report.near_misses == [], str(report)
+
+
+def test_dynamic_shapes_are_declined(gen):
+    backend = FuserBackend(STRICT)
+    compiled = torch.compile(hf_5_17, backend=backend, dynamic=True)
+    q, k, v = qkv(gen)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, hf_5_17(q, k, v))
+    assert backend.counts == {}
+    reasons = [nm.reason for r in backend.results for nm in r.near_misses]
+    assert any("symbolic" in r for r in reasons), reasons
