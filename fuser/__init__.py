@@ -10,6 +10,7 @@ from fuser.kernels.gated_activation import geglu, swiglu
 from fuser.kernels.linear_cross_entropy import linear_cross_entropy
 from fuser.kernels.rms_norm import rms_norm
 from fuser.kernels.rope import rope
+from fuser.kernels.upcast_linear import upcast_linear
 from fuser.report import Report, explain
 
 __version__ = "0.1.0"
@@ -26,5 +27,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "swiglu",
+    "upcast_linear",
     "__version__",
 ]

@@ -6,9 +6,10 @@ from fuser.patterns.gated_mlp import GEGLU, SWIGLU
 from fuser.patterns.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fuser.patterns.rms_norm import RMS_NORM
 from fuser.patterns.rope import ROPE
+from fuser.patterns.upcast_linear import UPCAST_LINEAR
 
 PATTERNS: dict[str, Pattern] = {
-    p.name: p for p in (RMS_NORM, ROPE, SWIGLU, GEGLU, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION)
+    p.name: p for p in (RMS_NORM, ROPE, SWIGLU, GEGLU, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION, UPCAST_LINEAR)
 }
 
 __all__ = ["PATTERNS", "Decline", "Pattern", "Replacement", "Variant"]
