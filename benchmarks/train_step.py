@@ -465,12 +465,15 @@ FAMILY_RULES: list[tuple[str, re.Pattern]] = [  # first match wins
     # before matmul: memory-efficient attention's kernels are CUTLASS ones (fmha_cutlassF_…)
     ("attention", re.compile(r"flash|fmha|sdpa|scaled_dot_product|efficient_attention|attention|attn", re.I)),
     ("bitsandbytes NF4", re.compile(r"kDequantize|kQuantize|kgemm_4bit|dequantize_4bit|quantize_4bit", re.I)),
+    # fp32 matmuls without TF32 run on the CUDA cores (cuBLAS's sm80 "ffma" kernels): peft's fp32 LoRA adapters
+    ("matmul fp32 (CUDA cores)", re.compile(r"f32f32_f32f32.*ffma|ffma.*f32f32_f32f32|sgemm")),
     # cuBLAS/CUTLASS (nvjet: cuBLAS's Hopper kernels); aten's on a CPU
     ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|nvjet|xmma|splitKreduce|^aten::(mm|addmm|bmm)$")),
     ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
 ]
 FAMILIES = (
     "matmul",
+    "matmul fp32 (CUDA cores)",
     "attention",
     "fused ops (fuser)",
     "fused ops (Liger)",

@@ -88,6 +88,9 @@ def test_profile_groups_kernels_by_family(train_step):
     family = lambda name: train_step.kernel_family(name, fused)  # noqa: E731
     assert family("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT") == "matmul"
     assert family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    # fp32 without TF32 (peft's fp32 LoRA adapters): cuBLAS's CUDA-core kernels, a family of their own
+    fp32_gemm = "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4"
+    assert family(fp32_gemm) == "matmul fp32 (CUDA cores)"
     assert family("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>") == (
         "attention"
     )
