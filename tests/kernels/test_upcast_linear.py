@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fuser.kernels.upcast_linear as module
+from fuser.kernels._triton import HAS_TRITON, interpreting
 from fuser.kernels.upcast_linear import upcast_linear
 
 
@@ -83,3 +85,103 @@ def test_rejects_bad_arguments():
         upcast_linear(x, torch.randn(4, 8), torch.randn(5))
     with pytest.raises(ValueError, match="floating-point"):
         upcast_linear(torch.ones(3, 8, dtype=torch.long), torch.randn(4, 8))
+
+
+# --- the Triton path (FUSER_UPCAST_LINEAR_TRITON=1; here through the interpreter, fp16 only) ------------------
+
+interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and interpreting()), reason="the Triton path runs on CPU only through the Triton interpreter"
+)
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
+    # every buffer the kernels write starts as NaN, so an element a kernel skips cannot pass for a value
+    monkeypatch.setattr(module, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
+    launched = []
+    for name in ("_forward_triton", "_dx_triton", "_dw_triton"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
+    return launched
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "lead, n_in, n_out, row_pad",
+    [((37,), 40, 8, 0), ((3, 100), 96, 24, 0), ((2, 150), 64, 16, 24), ((5,), 33, 64, 7)],
+    ids=str,
+)
+def test_triton_kernels_match_fp64(lead, n_in, n_out, row_pad, gen, triton_path):
+    """fp32 products and sums: within fp32 rounding of the fp64 result; x may have a row stride wider than its
+    row (a slice of a wider tensor); rows, inputs and outputs off the block sizes."""
+    wide = torch.randn(*lead, n_in + row_pad, generator=gen).to(torch.float16)
+    x = wide[..., :n_in].requires_grad_()
+    w = (0.1 * torch.randn(n_out, n_in, generator=gen)).requires_grad_()
+    b = torch.randn(n_out, generator=gen).requires_grad_()
+    dy = torch.randn(*lead, n_out, generator=gen)
+    out = upcast_linear(x, w, b)
+    out.backward(dy)
+    assert triton_path == ["_forward_triton", "_dx_triton", "_dw_triton"], triton_path
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = F.linear(x64, w64, b64)
+    ref.backward(dy.double())
+    assert out.dtype == torch.float32 and x.grad.dtype == torch.float16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    # dx: fp32 sums rounded once to fp16, as eager's (dy @ W).to(fp16)
+    torch.testing.assert_close(x.grad, x64.grad.to(torch.float16), rtol=2.0**-10, atol=2.0**-14)
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=1e-5, atol=1e-5)  # fp32 sums of up to 300 rows
+
+
+@interpreter
+def test_triton_kernels_are_deterministic(gen, triton_path):
+    x = torch.randn(300, 48, generator=gen).to(torch.float16).requires_grad_()  # 3 row splits of the weight grad
+    w = (0.1 * torch.randn(16, 48, generator=gen)).requires_grad_()
+    dy = torch.randn(300, 16, generator=gen)
+    results = []
+    for _ in range(2):
+        x.grad = w.grad = None
+        out = upcast_linear(x, w)
+        out.backward(dy)
+        results.append((out.clone(), x.grad.clone(), w.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_triton_path_is_off_by_default_and_only_for_narrow_fp32_weights(monkeypatch):
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
+    x = torch.randn(4, 8).half()
+    assert not module.triton_path(x, torch.randn(16, 8))  # not asked for
+    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
+    if HAS_TRITON and interpreting():
+        assert module.triton_path(x, torch.randn(16, 8))
+    assert not module.triton_path(x, torch.randn(65, 8))  # wider than a LoRA rank
+    assert not module.triton_path(x.float(), torch.randn(16, 8))  # nothing to upcast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n_in, n_out", [(4096, 16), (14336, 16), (4096, 64), (4096, 8)], ids=str)
+def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
+    """The Triton kernels on the GPU (``FUSER_UPCAST_LINEAR_TRITON=1``) at Llama-3-8B LoRA-A shapes, 8192 rows,
+    against fp64, and against cuBLAS's fp32 path (the default) to the same accuracy (dx: one bf16/fp16 rounding)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 2048, n_in, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (0.02 * torch.randn(n_out, n_in, device="cuda", generator=gen)).requires_grad_()
+    dy = torch.randn(4, 2048, n_out, device="cuda", generator=gen)
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", flag)
+        x.grad = w.grad = None
+        out = upcast_linear(x, w)
+        out.backward(dy)
+        results[flag] = (out.double(), x.grad.double(), w.grad.double())
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.linear(x64, w64)
+    ref.backward(dy.double())
+    for flag, (out, dx, dw) in results.items():
+        for name, got, want, tol in (("y", out, ref, 1e-5), ("dW", dw, w64.grad, 1e-5), ("dx", dx, x64.grad, 4e-3)):
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < tol, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
