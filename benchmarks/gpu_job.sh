@@ -3,12 +3,14 @@
 # fuser's run also profiled, then one table. Results (no traces) in $OUT/<job>.tgz.
 # Usage (device tool, carry [".whl"]):  JOB=llama3-8b-lora bash benchmarks/gpu_job.sh
 #   MODES (default "eager,liger,compile"; fuser always runs last, profiled), STEPS (10), WARMUP (3), TIMEOUT per
-#   mode in s (240), EXTRA: more train_step.py flags for every mode (e.g. "--layers 8")
+#   mode in s (240), EXTRA: more train_step.py flags for every mode (e.g. "--layers 8"), TAG: a suffix for the
+#   result folder and archive, so one call can run a job twice (e.g. MODES= TAG=triton FUSER_UPCAST_LINEAR_TRITON=1)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 JOB=${JOB:?JOB=<train_step.py job>}
-R=/tmp/res_$JOB
+NAME=$JOB${TAG:+_$TAG}
+R=/tmp/res_$NAME
 mkdir -p "$OUT" "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -31,4 +33,4 @@ python3 benchmarks/train_step.py --job "$JOB" --combine "${FILES[@]}" --out "$R/
   --json "$R/train_${JOB}.json" > /dev/null 2>&1
 cat "$R/train_step_${JOB}.md" 2>/dev/null | tail -15
 grep -A 12 "op family" "$R"/profile_*.md 2>/dev/null | head -14
-tar czf "$OUT/$JOB.tgz" --exclude='*.trace.json.gz' -C /tmp "res_$JOB"
+tar czf "$OUT/$NAME.tgz" --exclude='*.trace.json.gz' -C /tmp "res_$NAME"
