@@ -17,9 +17,17 @@ The rewrite is made only when the mask is *proved* to be the plain causal mask:
 
 The call becomes ``F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, scale, enable_gqa)``: the
 same function of q, k and v, so PyTorch may pick its flash kernels, which skip the masked blocks.
+
+A mask built from a graph input (the ``attention_mask`` the HF Trainer's collators pass, all ones when nothing is
+padded) cannot be proved at compile time. With ``FUSER_CAUSAL_RUNTIME_CHECK=1`` (off by default: not yet measured
+on a GPU) such a bool mask is compared with the causal mask on the device at every call, and ``torch.cond`` runs
+``is_causal=True`` when they are equal, the masked call as written otherwise (not inside a checkpointed body, not
+with dropout).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.fx
@@ -34,6 +42,7 @@ Node = torch.fx.Node
 # the largest sequence whose mask is evaluated at compile time (a T×T bool on the CPU: 4 GiB at 65536)
 MAX_EVALUATED_LENGTH = 65536
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
+_INPUT_DEPENDENT = "the mask depends on the graph input"
 _MEMO_KEY = "fuser_causal_mask"  # node.meta: the verdict on a mask node, shared by the layers that use it
 
 
@@ -73,7 +82,7 @@ def _evaluate(mask: Node) -> torch.Tensor:
         if n.op == "placeholder":
             outer = n.meta.get(OUTER_VALUE)
             if not isinstance(outer, Node):
-                raise Decline(f"the mask depends on the graph input `{n.name}` (a padding mask?): values unknown")
+                raise Decline(f"{_INPUT_DEPENDENT} `{n.name}` (a padding mask?): values unknown")
             env[n] = _evaluate(outer)
             continue
         if n.op == "get_attr":
@@ -147,10 +156,47 @@ def check_causal_attention(found: Found, variant: Variant) -> Replacement:
     memo = mask.meta[_MEMO_KEY]
     if lq not in memo:
         memo[lq] = _causal_verdict(mask, lq)
-    if memo[lq] is not None:
-        raise Decline(memo[lq])
     enable_gqa = bool(b["enable_gqa"])
+    if memo[lq] is not None:
+        if memo[lq].startswith(_INPUT_DEPENDENT) and runtime_check_enabled():
+            _check_runtime_variant(found)
+            return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa))
+        raise Decline(memo[lq])
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
+
+
+def runtime_check_enabled() -> bool:
+    """``FUSER_CAUSAL_RUNTIME_CHECK=1``: a mask computed from graph inputs is compared with the causal mask on the
+    device at each call (off by default until measured on a GPU)."""
+    return os.environ.get("FUSER_CAUSAL_RUNTIME_CHECK", "0") == "1"
+
+
+def _check_runtime_variant(found: Found) -> None:
+    b = found.bindings
+    mask_meta = tensor_meta(b["mask"])
+    if mask_meta.dtype != torch.bool:
+        raise Decline(f"a {mask_meta.dtype} mask from graph inputs (the run-time check takes bool masks)")
+    if b["dropout_p"] != 0:
+        raise Decline("a mask from graph inputs with dropout (the run-time check does not branch around dropout)")
+    if any(n.op == "placeholder" and OUTER_VALUE in n.meta for n in found.root.graph.nodes):
+        raise Decline("a mask from graph inputs inside a nested body (checkpointing): no run-time check there")
+
+
+def causal_or_masked_sdpa(query, key, value, mask, scale=None, enable_gqa=False):
+    """SDPA with ``is_causal=True`` when ``mask`` (bool, True = attend) equals the causal mask in every slice, else
+    with ``mask`` as given: decided on the device by ``torch.cond`` (both branches are compiled)."""
+    kwargs = {"scale": scale, **({"enable_gqa": True} if enable_gqa else {})}
+    length = query.shape[-2]
+    causal_mask = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    is_causal = (mask == causal_mask).all()
+
+    def causal(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs).contiguous()
+
+    def masked(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs).contiguous()
+
+    return torch.cond(is_causal, causal, masked, (query, key, value, mask))
 
 
 VARIANTS = [

@@ -225,3 +225,121 @@ def test_dynamic_shapes_are_declined(gen):
     assert backend.counts == {}
     reasons = [nm.reason for r in backend.results for nm in r.near_misses]
     assert any("symbolic" in r for r in reasons), reasons
+
+
+# --- a mask from a graph input, checked at run time (FUSER_CAUSAL_RUNTIME_CHECK=1) -------------------------------
+
+
+def padded(q, k, v, keep):  # transformers 5.17's mask with a padding mask from the batch
+    i = torch.arange(q.shape[-2], device=q.device)
+    mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_runtime_check_takes_the_branch_the_mask_calls_for(inner, gen, monkeypatch):
+    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler=inner, strict=True)
+    q, k, v = qkv(gen)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    assert fuser.explain(padded, q, k, v, keep, config=config).counts == {"causal_attention": 1}
+    compiled = torch.compile(padded, backend=fuser.backend(config))
+    for case in ("nothing padded", "row 1 padded"):
+        if case == "row 1 padded":
+            keep[1, :5] = False  # the same compiled graph, the other branch
+        for t in (q, k, v):
+            t.grad = None
+        expected = padded(q, k, v, keep)
+        expected.square().sum().backward()
+        ref = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        out = compiled(q, k, v, keep)
+        out.square().sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=case)
+        for name, t, r in zip("qkv", (q, k, v), ref, strict=True):
+            torch.testing.assert_close(t.grad, r, rtol=1e-5, atol=1e-5, msg=f"{case}: d{name}")
+    assert fuser.backend(config).counts == {"causal_attention": 1}
+
+
+def test_runtime_check_calls_is_causal_only_for_the_causal_mask(gen, monkeypatch):
+    """The device-side predicate is True for an all-ones padding mask and False once a key is padded (seen through
+    a stand-in for torch.cond that records it and runs the branch it picks)."""
+    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="eager", strict=True)
+    picked = []
+
+    def recording_cond(pred, true_fn, false_fn, operands):
+        picked.append(bool(pred))
+        return (true_fn if pred else false_fn)(*operands)
+
+    q, k, v = (t.detach() for t in qkv(gen))
+    keep = torch.ones(B, T, dtype=torch.bool)
+    compiled = torch.compile(padded, backend=fuser.backend(config))
+    monkeypatch.setattr(module.torch, "cond", recording_cond)
+    out_causal = compiled(q, k, v, keep)
+    torch.testing.assert_close(out_causal, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+    keep[0, :2] = False
+    torch.testing.assert_close(compiled(q, k, v, keep), padded(q, k, v, keep))
+    assert picked == [True, False], picked
+
+
+def test_runtime_check_declines_what_it_cannot_branch_around(gen, monkeypatch):
+    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
+    q, k, v = qkv(gen)
+    keep = torch.ones(B, T, dtype=torch.bool)
+
+    def float_mask(q, k, v, keep):
+        i = torch.arange(q.shape[-2])
+        allowed = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def with_dropout(q, k, v, keep):
+        i = torch.arange(q.shape[-2])
+        mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+
+    def checkpointed(q, k, v, keep):
+        i = torch.arange(q.shape[-2])
+        mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        body = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+        return torch.utils.checkpoint.checkpoint(body, q, k, v, mask, use_reentrant=False)
+
+    for fn, reason in ((float_mask, "bool masks"), (with_dropout, "dropout"), (checkpointed, "nested body")):
+        report = fuser.explain(fn, q, k, v, keep, config=STRICT)
+        assert report.counts == {}, f"{fn.__name__}: {report}"
+        reasons = [nm.reason for nm in report.near_misses if nm.pattern == "causal_attention"]
+        assert any(reason in r for r in reasons), f"{fn.__name__}: {reasons}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runtime_check", ["0", "1"])
+def test_gpu_causal_rewrites_through_inductor(runtime_check, monkeypatch):
+    """On CUDA (flash / cuDNN kernels), bf16, through Inductor: the constant mask and, with the run-time check, the
+    padding-mask form give eager's values and gradients (to bf16 attention's rounding) in both branches."""
+    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", runtime_check)
+    config = fuser.FuserConfig(patterns=("causal_attention",), strict=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (2, 8, 512, 64)
+    q, k, v = (torch.randn(shape, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    keep = torch.ones(2, 512, dtype=torch.bool, device="cuda")
+    cases = [(hf_5_17, (q, k, v))] + ([(padded, (q, k, v, keep))] if runtime_check == "1" else [])
+    for fn, args in cases:
+        compiled = torch.compile(fn, backend=fuser.backend(config))
+        for step in range(2 if fn is padded else 1):
+            if step == 1:
+                keep[1, :100] = False
+            for t in (q, k, v):
+                t.grad = None
+            expected = fn(*args)
+            expected.float().square().sum().backward()
+            ref = [t.grad.float().clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            out = compiled(*args)
+            out.float().square().sum().backward()
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+            for t, r in zip((q, k, v), ref, strict=True):
+                assert ((t.grad.float() - r).norm() / r.norm()).item() < 2e-2
+    assert fuser.backend(config).counts == {"causal_attention": len(cases)}
