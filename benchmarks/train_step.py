@@ -317,6 +317,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         batch=args.batch or (TINY_BATCH if args.tiny else job.batch),
         seq=args.seq or (TINY_SEQ if args.tiny else job.seq),
         tiny=args.tiny,
+        attention_mask=args.attention_mask,
         steps=args.steps,
         warmup=args.warmup,
         command=shlex.join([sys.executable, *sys.argv]),
@@ -380,7 +381,8 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
             torch.cuda.synchronize(device)
 
     def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
+        extra = {"attention_mask": torch.ones_like(ids)} if args.attention_mask else {}
+        loss = model(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -651,6 +653,7 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
         f"median of {steps} timed steps after {warmup} warm-up; peak = max_memory_allocated over the run; "
         f"warm-up = wall time of the warm-up steps, compilation included"
         + (" (tiny smoke-test config)" if any_result.get("tiny") else "")
+        + ("; all-ones attention_mask passed, as HF Trainer's do" if any_result.get("attention_mask") else "")
     )
     text = report_header(f"Training step: {job_name}", list(results.values()), command)
     text += f"- setup: {setup}\n" + (f"- {note}\n" if note else "") + "\n"
@@ -697,6 +700,8 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
             cmd += [f"--{flag}", str(value)]
     if args.tiny:
         cmd.append("--tiny")
+    if args.attention_mask:
+        cmd.append("--attention-mask")
     cmd += ["--fuser-inner-compiler", args.fuser_inner_compiler]
     return cmd
 
@@ -798,6 +803,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, vocab 512, batch 2×64: a smoke test")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention-mask", action="store_true", help="pass an all-ones attention_mask, as HF Trainer's collators do"
+    )
     parser.add_argument("--fuser-inner-compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
     parser.add_argument("--profile", metavar="DIR", help="profile 3 more steps; write profile_<job>_<mode>.md to DIR")
     parser.add_argument("--json", metavar="FILE", help="write every number as JSON")
