@@ -151,11 +151,14 @@ def check_causal_attention(found: Found, variant: Variant) -> Replacement:
         raise Decline(f"query length {lq} differs from key length {lk} (is_causal is top-left aligned)")
     if lq > MAX_EVALUATED_LENGTH:
         raise Decline(f"sequence length {lq} is above {MAX_EVALUATED_LENGTH}: the mask is not evaluated")
-    if _MEMO_KEY not in mask.meta:
-        mask.meta[_MEMO_KEY] = {}
-    memo = mask.meta[_MEMO_KEY]
+    # a checkpointed layer receives the mask as its body's input: judge the enclosing graph's node, once for all
+    # the layers that share it (each layer's body has its own placeholder)
+    source = mask
+    while source.op == "placeholder" and isinstance(source.meta.get(OUTER_VALUE), Node):
+        source = source.meta[OUTER_VALUE]
+    memo = source.meta.setdefault(_MEMO_KEY, {})
     if lq not in memo:
-        memo[lq] = _causal_verdict(mask, lq)
+        memo[lq] = _causal_verdict(source, lq)
     enable_gqa = bool(b["enable_gqa"])
     if memo[lq] is not None:
         if memo[lq].startswith(_INPUT_DEPENDENT) and runtime_check_enabled():
