@@ -25,8 +25,40 @@ VIEWS = {"t", "permute", "view", "transpose", "expand", "alias", "_unsafe_view",
 BATCH, SEQ = 2, 64
 
 
-def saved_bytes(mode: str, layers: int) -> int:
+def saved_for_backward(fn, args: tuple, kwargs: dict, patterns: list) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of each tensor the forward of ``fn(*args, **kwargs)`` saves for the backward, as Inductor's
+    partitioner (min-cut rematerialisation) chooses them after fuser's ``patterns`` rewrote the graph; graph inputs
+    and views of them (a weight's transpose) hold no memory of their own and are left out. Runs one backward."""
+    saved = []
+
+    def forward_compiler(gm, _):
+        inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+
+        def base(n):
+            while isinstance(n, torch.fx.Node) and getattr(n.target, "__name__", "").split(".")[0] in VIEWS:
+                n = n.args[0]
+            return n
+
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        for node in output.args[0]:
+            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(value, torch.Tensor) and base(node) not in inputs:
+                saved.append((value.dtype, tuple(value.shape)))
+        return make_boxed_func(gm.forward)
+
+    inner = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                         partition_fn=min_cut_rematerialization_partition)  # fmt: skip
+
+    def backend(gm, example_inputs):
+        return inner(rewrite(gm, patterns)[0] if patterns else gm, example_inputs)
+
     torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*args, **kwargs)
+    (out.loss if hasattr(out, "loss") else out.float().sum()).backward()
+    return saved
+
+
+def saved_bytes(mode: str, layers: int) -> int:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, attn_implementation="sdpa")  # fmt: skip
@@ -34,34 +66,9 @@ def saved_bytes(mode: str, layers: int) -> int:
     lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     model = peft.get_peft_model(model, lora).train()
     ids = torch.randint(0, 4096, (BATCH, SEQ))
-    totals = []
-
-    def forward_compiler(gm, _):
-        inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
-
-        def base(n):  # a view of a graph input (a weight's transpose) holds no memory of its own
-            while isinstance(n, torch.fx.Node) and getattr(n.target, "__name__", "").split(".")[0] in VIEWS:
-                n = n.args[0]
-            return n
-
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        total = 0
-        for node in output.args[0]:
-            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-            if isinstance(value, torch.Tensor) and base(node) not in inputs:
-                total += value.numel() * value.element_size()
-        totals.append(total)
-        return make_boxed_func(gm.forward)
-
-    inner = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                         partition_fn=min_cut_rematerialization_partition)  # fmt: skip
     patterns = [p for name, p in PATTERNS.items() if mode == "fuser" or (mode != "compile" and name != "upcast_linear")]
-
-    def backend(gm, example_inputs):
-        return inner(rewrite(gm, patterns)[0] if patterns else gm, example_inputs)
-
-    torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
-    return totals[0]
+    saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in saved)
 
 
 def main() -> None:

@@ -4,15 +4,14 @@ instead of its fp32 copy."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import fuser
-from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
 
 STRICT = fuser.FuserConfig(patterns=("upcast_linear",), inner_compiler="aot_eager", strict=True)
@@ -55,31 +54,12 @@ def test_lora_a_is_matched_and_trains_the_same(dtype, gen):
 
 
 def saved_activations(fn, args, patterns):
-    """(dtype, shape) of the tensors the forward saves for the backward, graph inputs excluded, as Inductor's
-    partitioner (min-cut rematerialisation) chooses them."""
-    saved = []
-
-    def forward_compiler(gm, _):
-        inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        for node in output.args[0]:
-            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-            if node not in inputs and isinstance(value, torch.Tensor):
-                saved.append((value.dtype, tuple(value.shape)))
-        return make_boxed_func(gm.forward)
-
-    inner = aot_autograd(
-        fw_compiler=forward_compiler,
-        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-        partition_fn=min_cut_rematerialization_partition,
-    )
-
-    def backend(gm, example_inputs):
-        return inner(rewrite(gm, patterns)[0] if patterns else gm, example_inputs)
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend)(*args).float().sum().backward()
-    return saved
+    """What the forward saves for the backward under Inductor's partitioner (benchmarks/saved_activations.py)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
+    spec = importlib.util.spec_from_file_location("saved_activations", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.saved_for_backward(fn, args, {}, patterns)
 
 
 def test_the_partitioner_saves_bf16_not_its_fp32_copy(gen):
