@@ -380,8 +380,10 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    # every batch has the same shape: one all-ones mask serves them all
+    extra = {"attention_mask": torch.ones_like(batches[0])} if args.attention_mask else {}
+
     def train_step(ids: torch.Tensor) -> torch.Tensor:
-        extra = {"attention_mask": torch.ones_like(ids)} if args.attention_mask else {}
         loss = model(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         optimizer.step()
