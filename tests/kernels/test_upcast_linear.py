@@ -87,7 +87,7 @@ def test_rejects_bad_arguments():
         upcast_linear(torch.ones(3, 8, dtype=torch.long), torch.randn(4, 8))
 
 
-# --- the Triton path (FUSER_UPCAST_LINEAR_TRITON=1; here through the interpreter, fp16 only) ------------------
+# --- the Triton path (on by default on a GPU; here through the interpreter, fp16 only) -------------------------
 
 interpreter = pytest.mark.skipif(
     not (HAS_TRITON and interpreting()), reason="the Triton path runs on CPU only through the Triton interpreter"
@@ -136,6 +136,24 @@ def test_triton_kernels_match_fp64(lead, n_in, n_out, row_pad, gen, triton_path)
 
 
 @interpreter
+def test_triton_kernels_with_the_gpu_tiles_match_fp64(gen, triton_path, monkeypatch):
+    """The GPU's launch configurations (tile sizes, row splits) through the interpreter: rows, inputs and outputs
+    off every tile edge. The interpreter ignores the dots' precision (tf32x3 on a GPU: the GPU test checks it)."""
+    monkeypatch.setattr(module, "_CPU_CONFIGS", module.CONFIGS)
+    x = torch.randn(3, 100, 200, generator=gen).to(torch.float16).requires_grad_()  # 300 rows
+    w = (0.1 * torch.randn(24, 200, generator=gen)).requires_grad_()
+    dy = torch.randn(3, 100, 24, generator=gen)
+    out = upcast_linear(x, w)
+    out.backward(dy)
+    assert triton_path == ["_forward_triton", "_dx_triton", "_dw_triton"], triton_path
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.linear(x64, w64).backward(dy.double())
+    torch.testing.assert_close(out.double(), F.linear(x64, w64).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x64.grad.to(torch.float16), rtol=2.0**-10, atol=2.0**-14)
+
+
+@interpreter
 def test_triton_kernels_are_deterministic(gen, triton_path):
     x = torch.randn(300, 48, generator=gen).to(torch.float16).requires_grad_()  # 3 row splits of the weight grad
     w = (0.1 * torch.randn(16, 48, generator=gen)).requires_grad_()
@@ -149,14 +167,14 @@ def test_triton_kernels_are_deterministic(gen, triton_path):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_triton_path_is_off_by_default_and_only_for_narrow_fp32_weights(monkeypatch):
+def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(monkeypatch):
     monkeypatch.setenv("FUSER_CPU_TRITON", "1")
     monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     x = torch.randn(4, 8).half()
-    assert not module.triton_path(x, torch.randn(16, 8))  # not asked for
+    assert module.triton_path(x, torch.randn(16, 8)) == (HAS_TRITON and interpreting())
+    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "0")
+    assert not module.triton_path(x, torch.randn(16, 8))  # switched off
     monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
-    if HAS_TRITON and interpreting():
-        assert module.triton_path(x, torch.randn(16, 8))
     assert not module.triton_path(x, torch.randn(65, 8))  # wider than a LoRA rank
     assert not module.triton_path(x.float(), torch.randn(16, 8))  # nothing to upcast
 
@@ -165,8 +183,8 @@ def test_triton_path_is_off_by_default_and_only_for_narrow_fp32_weights(monkeypa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n_in, n_out", [(4096, 16), (14336, 16), (4096, 64), (4096, 8)], ids=str)
 def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
-    """The Triton kernels on the GPU (``FUSER_UPCAST_LINEAR_TRITON=1``) at Llama-3-8B LoRA-A shapes, 8192 rows,
-    against fp64, and against cuBLAS's fp32 path (the default) to the same accuracy (dx: one bf16/fp16 rounding)."""
+    """The Triton kernels on the GPU (the default; tf32x3 dots) at Llama-3-8B LoRA-A shapes, 8192 rows, against
+    fp64, and cuBLAS's fp32 path (``FUSER_UPCAST_LINEAR_TRITON=0``) to the same bounds (dx: one bf16/fp16 rounding)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 2048, n_in, device="cuda", generator=gen).to(dtype).requires_grad_()
     w = (0.02 * torch.randn(n_out, n_in, device="cuda", generator=gen)).requires_grad_()

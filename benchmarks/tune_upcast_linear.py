@@ -1,0 +1,114 @@
+"""Sweep the launch configurations of fuser's ``upcast_linear`` Triton kernels (forward, dx, dW) on a GPU, next to
+cuBLAS's fp32 path (what the op runs without them) and the memory floor, at Llama-3-8B LoRA-A shapes (8192 rows).
+
+Each kernel's time is the median of ``triton.testing.do_bench`` over the whole wrapper (allocation and, for dW, the
+sum of the row splits' partial sums included). The relative error of each kernel's output against fp64 is printed
+for the best configuration, for the default one, for ``input_precision="ieee"`` and for cuBLAS. The result chooses
+``upcast_linear.CONFIGS``; it is a tool, not a test.
+
+    python benchmarks/tune_upcast_linear.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from fuser.kernels import upcast_linear as K
+
+SHAPES = ((8192, 4096, 16), (8192, 14336, 16), (8192, 4096, 64))
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
+SPACE = {
+    "fwd": [
+        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+        for m, k, (w, s) in itertools.product((32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
+    ],
+    "dx": [
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
+        for m, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
+    ],
+    "dw": [
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "SPLITS": sp}
+        for m, n, (w, s), sp in itertools.product((32, 64, 128), (32, 64, 128), ((4, 3), (8, 3)), (8, 16, 32))
+    ],
+}
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def runs(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Per kernel: fuser's wrapper, cuBLAS's fp32 equivalent, the bytes it must move at least."""
+    rows, n_in = x.shape
+    n_out = w.shape[0]
+    return {
+        "fwd": (lambda: K._forward_triton(x, w), lambda: x.float() @ w.t(), 2 * rows * n_in + 4 * rows * n_out),
+        "dx": (lambda: K._dx_triton(dy, w, x.dtype), lambda: (dy @ w).to(x.dtype), 2 * rows * n_in),
+        "dw": (lambda: K._dw_triton(dy, x), lambda: dy.t() @ x.float(), 2 * rows * n_in + 4 * rows * n_out),
+    }
+
+
+def measure(kind: str, ours, want: torch.Tensor, base: dict, cfg: dict) -> tuple[float, float]:
+    """(µs, relative error against fp64) of ``ours`` with ``cfg`` laid over the kernel's default configuration."""
+    K.CONFIGS[kind] = {**base, **cfg}
+    try:
+        out = ours()
+        return triton.testing.do_bench(ours) * 1e3, rel(out, want)
+    finally:
+        K.CONFIGS[kind] = dict(base)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    default = {k: dict(v) for k, v in K.CONFIGS.items()}
+    lines = [
+        "| rows×in×out | kernel | floor µs | cuBLAS fp32 µs | ieee (default tiles) µs | default µs | best µs"
+        " | best config | err cuBLAS | err ieee | err default | err best |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    full = []
+    for rows, n_in, n_out in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(rows + n_in + n_out)
+        x = torch.randn(rows, n_in, device="cuda", generator=gen).to(torch.bfloat16)
+        w = 0.02 * torch.randn(n_out, n_in, device="cuda", generator=gen)
+        dy = torch.randn(rows, n_out, device="cuda", generator=gen)
+        x64, w64, dy64 = x.double(), w.double(), dy.double()
+        want = {"fwd": x64 @ w64.t(), "dx": dy64 @ w64, "dw": dy64.t() @ x64}
+        for kind, (ours, cublas, nbytes) in runs(x, w, dy).items():
+            floor_us = nbytes / HBM_BYTES_PER_S * 1e6
+            t_cublas = triton.testing.do_bench(cublas) * 1e3
+            err_cublas = rel(cublas(), want[kind])
+
+            t_ieee, err_ieee = measure(kind, ours, want[kind], default[kind], {"PRECISION": "ieee"})
+            t_default, err_default = measure(kind, ours, want[kind], default[kind], {})
+            results = []
+            for cfg in SPACE[kind]:
+                try:
+                    t, err = measure(kind, ours, want[kind], default[kind], cfg)
+                except Exception as exc:  # a tile that does not fit in shared memory
+                    full.append(f"{rows}x{n_in}x{n_out} {kind} {cfg}: failed ({type(exc).__name__})")
+                    continue
+                results.append((t, err, cfg))
+                full.append(f"{rows}x{n_in}x{n_out} {kind} {cfg}: {t:.1f} us, err {err:.2e}")
+            t_best, err_best, cfg_best = min(results, key=lambda r: r[0])
+            lines.append(
+                f"| {rows}×{n_in}×{n_out} | {kind} | {floor_us:.1f} | {t_cublas:.1f} | {t_ieee:.1f} | {t_default:.1f}"
+                f" | {t_best:.1f} | `{cfg_best}` | {err_cublas:.1e} | {err_ieee:.1e} | {err_default:.1e}"
+                f" | {err_best:.1e} |"
+            )
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n\nAll configurations:\n\n" + "\n".join(f"- {f}" for f in full) + "\n"
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
