@@ -96,15 +96,18 @@ def run(tokens: int, lora: bool):
     dout = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     rows = []
     reference = None
-    for name in ("eager", "inductor", "fuser"):
+    # with LoRA also fuser with its off-by-default lora_sum pattern named
+    names = ("eager", "inductor", "fuser", "fuser + lora_sum") if lora else ("eager", "inductor", "fuser")
+    for name in names:
         torch._dynamo.reset()
         block = build(lora)
         params = [p for p in block.parameters() if p.requires_grad]
+        config = fuser.FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum")) if "lora_sum" in name else None
         if name == "inductor":
             fn = torch.compile(block)
-        elif name == "fuser":
-            fn = fuser.optimize(block)
-            already = len(fuser.backend().results)
+        elif name.startswith("fuser"):
+            fn = fuser.optimize(block, config)
+            already = len(fuser.backend(config).results)
         else:
             fn = block
         out = fn(x)
@@ -113,9 +116,9 @@ def run(tokens: int, lora: bool):
         err = ((out.detach().float() - reference).norm() / reference.norm()).item()
         row = measure(name, fn, x, dout, params)
         row["err_vs_eager"] = err
-        if name == "fuser":
+        if name.startswith("fuser"):
             counts: dict[str, int] = {}
-            for result in fuser.backend().results[already:]:
+            for result in fuser.backend(config).results[already:]:
                 for k, v in result.counts.items():
                     counts[k] = counts.get(k, 0) + v
             row["counts"] = counts

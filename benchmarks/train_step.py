@@ -318,6 +318,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         seq=args.seq or (TINY_SEQ if args.tiny else job.seq),
         tiny=args.tiny,
         attention_mask=args.attention_mask,
+        fuser_patterns=args.fuser_patterns,
         steps=args.steps,
         warmup=args.warmup,
         command=shlex.join([sys.executable, *sys.argv]),
@@ -372,7 +373,7 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
     elif mode == "fuser":
         import fuser
 
-        model = fuser.optimize(model, fuser.FuserConfig(inner_compiler=args.fuser_inner_compiler))
+        model = fuser.optimize(model, fuser_config(args))
     n_profile = 3 if args.profile else 0
     batches = make_batches(args.warmup + args.steps + n_profile, batch, seq, model.config.vocab_size, 1, device)
 
@@ -431,7 +432,7 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
     if mode == "fuser":
         import fuser
 
-        result["fuser_counts"] = fuser.backend(fuser.FuserConfig(inner_compiler=args.fuser_inner_compiler)).counts
+        result["fuser_counts"] = fuser.backend(fuser_config(args)).counts
     if mode in ("compile", "fuser"):
         from torch._dynamo.utils import counters
 
@@ -656,6 +657,7 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
         f"warm-up = wall time of the warm-up steps, compilation included"
         + (" (tiny smoke-test config)" if any_result.get("tiny") else "")
         + ("; all-ones attention_mask passed, as HF Trainer's do" if any_result.get("attention_mask") else "")
+        + (f"; fuser patterns `{any_result['fuser_patterns']}`" if any_result.get("fuser_patterns") else "")
     )
     text = report_header(f"Training step: {job_name}", list(results.values()), command)
     text += f"- setup: {setup}\n" + (f"- {note}\n" if note else "") + "\n"
@@ -705,7 +707,20 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
     if args.attention_mask:
         cmd.append("--attention-mask")
     cmd += ["--fuser-inner-compiler", args.fuser_inner_compiler]
+    if args.fuser_patterns:
+        cmd += ["--fuser-patterns", args.fuser_patterns]
     return cmd
+
+
+def fuser_config(args: argparse.Namespace):
+    """fuser's config for this run: the inner compiler, and the patterns ``--fuser-patterns`` names."""
+    import fuser
+
+    patterns = None
+    if args.fuser_patterns:
+        names = tuple(n for n in args.fuser_patterns.removeprefix("+").split(",") if n)
+        patterns = (*fuser.DEFAULT_PATTERNS, *names) if args.fuser_patterns.startswith("+") else names
+    return fuser.FuserConfig(patterns=patterns, inner_compiler=args.fuser_inner_compiler)
 
 
 def run_child(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, str]:
@@ -809,6 +824,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention-mask", action="store_true", help="pass an all-ones attention_mask, as HF Trainer's collators do"
     )
     parser.add_argument("--fuser-inner-compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    parser.add_argument(
+        "--fuser-patterns",
+        help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum)",
+    )
     parser.add_argument("--profile", metavar="DIR", help="profile 3 more steps; write profile_<job>_<mode>.md to DIR")
     parser.add_argument("--json", metavar="FILE", help="write every number as JSON")
     parser.add_argument("--out", metavar="FILE", help="--all-modes, --combine: write the markdown table here too")

@@ -8,14 +8,17 @@ from fuser.config import FuserConfig
 from fuser.dynamo_backend import FuserError, backend, optimize
 from fuser.kernels.gated_activation import geglu, swiglu
 from fuser.kernels.linear_cross_entropy import linear_cross_entropy
+from fuser.kernels.lora_sum import lora_sum
 from fuser.kernels.rms_norm import rms_norm
 from fuser.kernels.rope import rope
 from fuser.kernels.upcast_linear import upcast_linear
+from fuser.patterns import DEFAULT_PATTERNS
 from fuser.report import Report, explain
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_PATTERNS",
     "FuserConfig",
     "FuserError",
     "Report",
@@ -23,6 +26,7 @@ __all__ = [
     "explain",
     "geglu",
     "linear_cross_entropy",
+    "lora_sum",
     "optimize",
     "rms_norm",
     "rope",

@@ -16,7 +16,8 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 class FuserConfig:
     """What fuser rewrites and what compiles the result.
 
-    patterns:        names of the patterns to apply (``None``: every registered pattern).
+    patterns:        names of the patterns to apply (``None``: every registered pattern that is on by default;
+                     ``fuser.DEFAULT_PATTERNS`` names them, ``lora_sum`` is the one that is not).
     inner_compiler:  what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
     keep_logits:     when a training graph returns the logits it computes the loss from, keep them: the
                      ``linear_cross_entropy`` pattern then leaves that loss unfused. ``False`` (default): the loss
@@ -52,7 +53,11 @@ class FuserConfig:
         return cls(**options)
 
     def enabled(self, pattern_name: str) -> bool:
-        return self.patterns is None or pattern_name in self.patterns
+        if self.patterns is None:
+            from fuser.patterns import PATTERNS
+
+            return PATTERNS[pattern_name].default
+        return pattern_name in self.patterns
 
 
 _ACTIVE_CONFIG: ContextVar[FuserConfig | None] = ContextVar("fuser_active_config", default=None)

@@ -16,11 +16,13 @@ graph untouched and the backend can compile it unrewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx
 
@@ -92,18 +94,22 @@ def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Graph
 def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: str, result: RewriteResult) -> None:
     claimed: set[Node] = set()
     anchors: list[tuple[Pattern, Node]] = []
-    for node in reversed(graph.nodes):
-        if node.op not in ("call_function", "call_method"):
+    # the patterns that run first see the whole graph before the others (their matches are claimed first)
+    for group in ([p for p in patterns if p.runs_first], [p for p in patterns if not p.runs_first]):
+        if not group:
             continue
-        canon = canonical(node)
-        for pattern in patterns:
-            if canon is not None and canon.op in pattern.anchors:
-                anchors.append((pattern, node))
-        if node in claimed:
-            continue
-        accepted = _try_patterns(node, patterns, claimed, graph_name, result)
-        if accepted is not None:
-            claimed.update(accepted.found.nodes)
+        for node in reversed(graph.nodes):
+            if node.op not in ("call_function", "call_method"):
+                continue
+            canon = canonical(node)
+            for pattern in group:
+                if canon is not None and canon.op in pattern.anchors:
+                    anchors.append((pattern, node))
+            if node in claimed:
+                continue
+            accepted = _try_patterns(node, group, claimed, graph_name, result)
+            if accepted is not None:
+                claimed.update(accepted.found.nodes)
     for pattern in patterns:
         if pattern.combine is not None:
             mine = [m for m in result.matches if m.graph_name == graph_name and m.pattern == pattern.name]
@@ -202,6 +208,20 @@ def apply_matches(result: RewriteResult) -> None:
     order: dict[Node, int] = {}
     for graph in {m.found.root.graph for m in result.matches}:
         order.update((node, i) for i, node in enumerate(graph.nodes))
+    # a match applied earlier may have replaced a node that a later match takes as an input (lora_sum's sums feed
+    # the gated MLP, which was matched after them): such inputs are read through this map
+    replaced: dict[Node, Node] = {}
+
+    def resolve(value: Any) -> Any:
+        def current(node: Node) -> Node:
+            while node in replaced:
+                node = replaced[node]
+            return node
+
+        if isinstance(value, ArgExpr):
+            return dataclasses.replace(value, source=current(value.source))
+        return torch.fx.node.map_arg(value, current)
+
     for match in result.matches:
         root = match.found.root
         graph = root.graph
@@ -209,7 +229,8 @@ def apply_matches(result: RewriteResult) -> None:
         outputs = [(root, replacement.output_index), *replacement.extra_outputs]
         first = min((r for r, _ in outputs), key=order.__getitem__)
         with graph.inserting_before(first):
-            args = tuple(a.build(graph) if isinstance(a, ArgExpr) else a for a in replacement.args)
+            args = tuple(resolve(a) for a in replacement.args)
+            args = tuple(a.build(graph) if isinstance(a, ArgExpr) else a for a in args)
             call = graph.call_function(replacement.op, args)
         _copy_source_meta(root, call)
         for old, index in outputs:
@@ -223,6 +244,7 @@ def apply_matches(result: RewriteResult) -> None:
             if "example_value" in old.meta:
                 fused.meta["example_value"] = old.meta["example_value"]
             old.replace_all_uses_with(fused)
+            replaced[old] = fused
         for dropped in replacement.dropped_outputs:
             _return_none_for(dropped)
         dead = list(match.found.nodes)

@@ -55,10 +55,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 if HAS_TRITON:
 
     @triton.jit
-    def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_in, n_out, x_row_stride,
+    def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_in, n_out, x_row_stride, w_stride_out, w_stride_in,
                                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_P: tl.constexpr,
                                  PRECISION: tl.constexpr):  # fmt: skip
-        # y[rows, :] = x[rows, :] @ Wᵀ with fp32 sums, x read in its own dtype
+        # y[rows, :] = x[rows, :] @ Wᵀ with fp32 sums, x read in its own dtype (W [n_out, n_in] at any strides)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         outs = tl.arange(0, OUT_P)
         row_ok = rows < n_rows
@@ -68,27 +68,32 @@ if HAS_TRITON:
             k_ok = ks < n_in
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            w = tl.load(w_ptr + outs[None, :] * n_in + ks[:, None], mask=k_ok[:, None] & (outs[None, :] < n_out),
-                        other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + outs[None, :] * w_stride_out + ks[:, None] * w_stride_in,
+                        mask=k_ok[:, None] & (outs[None, :] < n_out), other=0.0)  # fmt: skip
             acc += tl.dot(x, w, input_precision=PRECISION)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc,
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
 
     @triton.jit
-    def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, n_rows, n_in, n_out,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
-                                PRECISION: tl.constexpr):  # fmt: skip
-        # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype
+    def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, scale, n_rows, n_in, n_out, w_stride_out,
+                                w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
+                                PRECISION: tl.constexpr, HAS_BASE: tl.constexpr):  # fmt: skip
+        # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
+        # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         outs = tl.arange(0, OUT_P)
         row_ok, col_ok, out_ok = rows < n_rows, cols < n_in, outs < n_out
         dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
                      mask=row_ok[:, None] & out_ok[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + outs[:, None] * n_in + cols[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + outs[:, None] * w_stride_out + cols[None, :] * w_stride_in,
+                    mask=out_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         dx = tl.dot(dy, w, input_precision=PRECISION)
-        tl.store(dx_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+        offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
+        if HAS_BASE:
+            base = tl.load(base_ptr + offsets, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            dx = base.to(tl.float32) + dx * scale
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, n_rows, n_in, n_out, x_row_stride, rows_per_split,
@@ -113,11 +118,15 @@ if HAS_TRITON:
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
+def triton_enabled(x: torch.Tensor) -> bool:
+    """Triton runs for ``x`` (a GPU, or the interpreter) and ``FUSER_UPCAST_LINEAR_TRITON=0`` is not set."""
+    return os.environ.get("FUSER_UPCAST_LINEAR_TRITON", "1") == "1" and use_triton(x)
+
+
 def triton_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The Triton kernels: not switched off (``FUSER_UPCAST_LINEAR_TRITON=0``), a narrow fp32 weight, a half input."""
     return (
-        os.environ.get("FUSER_UPCAST_LINEAR_TRITON", "1") == "1"
-        and use_triton(x)
+        triton_enabled(x)
         and weight.dtype == torch.float32
         and x.dtype in (torch.float16, torch.bfloat16)
         and 0 < weight.shape[0] <= TRITON_MAX_OUT
@@ -157,6 +166,7 @@ def _out_p(n_out: int) -> int:
 
 
 def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weightᵀ`` in fp32 (``weight`` [out, in], ≤ 64 rows, any strides), ``x`` read in its own dtype."""
     x2 = _rows(x)
     n_rows, n_in = x2.shape
     n_out = weight.shape[0]
@@ -164,12 +174,17 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = _config("fwd", x.device)
     if n_rows:
         upcast_linear_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
-            x2, weight, y, n_rows, n_in, n_out, x2.stride(0), OUT_P=_out_p(n_out), **cfg
-        )
+            x2, weight, y, n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1),
+            OUT_P=_out_p(n_out), **cfg,
+        )  # fmt: skip
     return y.view(*x.shape[:-1], n_out)
 
 
-def _dx_triton(dy: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dx_triton(
+    dy: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, base: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """``(dy @ weight).to(dtype)`` (``weight`` [out, in], ≤ 64 rows, any strides), fp32 sums; with ``base``
+    ([rows…, in], contiguous): ``(base + scale · (dy @ weight)).to(dtype)``, one rounding."""
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
     n_rows, n_out = dy2.shape
     n_in = weight.shape[1]
@@ -177,7 +192,10 @@ def _dx_triton(dy: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> to
     cfg = _config("dx", dy.device)
     if n_rows:
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
-        upcast_linear_dx_kernel[grid](dy2, weight, dx, n_rows, n_in, n_out, OUT_P=_out_p(n_out), **cfg)
+        upcast_linear_dx_kernel[grid](
+            dy2, weight, dx, dx if base is None else base, float(scale), n_rows, n_in, n_out, weight.stride(0),
+            weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None, **cfg,
+        )  # fmt: skip
     return dx.view(*dy.shape[:-1], n_in)
 
 

@@ -120,6 +120,9 @@ class Pattern:
     (RoPE rotates q and k with one op); it returns the matches to apply.
     ``judges_outside_uses``: interior values of a match that are used outside it decline the match, unless this is
     set: then ``check`` judges such uses itself (linear_cross_entropy drops the logits a graph returns).
+    ``runs_first``: matched over the whole graph before the other patterns, which then see its blocks as plain
+    inputs (lora_sum's sums would otherwise be absorbed by the gated-MLP patterns that consume them).
+    ``default``: on when ``FuserConfig.patterns`` is None; a pattern with ``default=False`` runs only when named.
     """
 
     name: str
@@ -128,3 +131,5 @@ class Pattern:
     anchors: frozenset[str] = field(default_factory=frozenset)
     combine: Callable[[list[Any]], list[Any]] | None = None
     judges_outside_uses: bool = False
+    runs_first: bool = False
+    default: bool = True

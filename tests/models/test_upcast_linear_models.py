@@ -10,36 +10,20 @@ import pytest
 import torch
 
 import fuser
-from tests.models.tiny import N_LAYERS, batch, build, rel, with_lora
+from tests.models.tiny import N_LAYERS, batch, lora_model, lora_step, rel
 
 peft = pytest.importorskip("peft")
 
 
-def lora_bf16():
-    model = with_lora(build("llama", torch.bfloat16))
-    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # peft's default
-    return model
-
-
-def step(model, config=None):
-    """(loss, LoRA gradients) of one forward+backward, eagerly or through fuser."""
-    run = model if config is None else fuser.optimize(model, config)
-    out = run(**batch())
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert grads and all("lora_" in n for n in grads)
-    return out.loss.detach(), grads
-
-
 def test_explain_counts_one_upcast_linear_per_adapter():
-    report = fuser.explain(lora_bf16(), **batch())
+    report = fuser.explain(lora_model(), **batch())
     assert report.counts.get("upcast_linear") == 7 * N_LAYERS, str(report)
 
 
 def test_alone_it_is_bit_for_bit_eager():
     config = fuser.FuserConfig(patterns=("upcast_linear",), strict=True, inner_compiler="aot_eager")
-    loss_ref, grads_ref = step(lora_bf16())
-    loss, grads = step(lora_bf16(), config)
+    loss_ref, grads_ref = lora_step(lora_model())
+    loss, grads = lora_step(lora_model(), config)
     assert fuser.backend(config).counts == {"upcast_linear": 7 * N_LAYERS}
     assert torch.equal(loss, loss_ref)
     for name, g in grads.items():
@@ -47,12 +31,12 @@ def test_alone_it_is_bit_for_bit_eager():
 
 
 def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():
-    model = lora_bf16()
+    model = lora_model()
     reference32 = copy.deepcopy(model).float()  # the same values, computed in fp32
     config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
-    loss32, grads32 = step(reference32)
-    loss16, grads16 = step(copy.deepcopy(model))
-    loss, grads = step(model, config)
+    loss32, grads32 = lora_step(reference32)
+    loss16, grads16 = lora_step(copy.deepcopy(model))
+    loss, grads = lora_step(model, config)
     assert fuser.backend(config).counts.get("upcast_linear") == 7 * N_LAYERS
     assert abs(loss - loss32) <= 2 * abs(loss16 - loss32) + 1e-3 * abs(loss32)
     for name, g in grads.items():

@@ -58,6 +58,25 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(copy.deepcopy(model), config)
 
 
+def lora_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A tiny Llama in ``dtype`` with peft's adapters on every linear layer, kept in fp32 (peft's default)."""
+    model = with_lora(build("llama", dtype))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    return model
+
+
+def lora_step(model: torch.nn.Module, config=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, LoRA gradients) of one forward+backward of a ``lora_model``, eagerly or through fuser."""
+    import fuser
+
+    run = model if config is None else fuser.optimize(model, config)
+    out = run(**batch())
+    out.loss.backward()
+    found = grads(model)
+    assert found and all("lora_" in n for n in found)
+    return out.loss.detach(), found
+
+
 def batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (bsz, seq), generator=g)

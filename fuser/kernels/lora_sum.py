@@ -1,0 +1,127 @@
+"""peft's LoRA output under a half-precision base: ``(base + (a @ Bᵀ) · s).to(base.dtype)`` as one op.
+
+peft keeps the adapters in fp32 under a bf16/fp16 base layer and computes
+``result = (base(x) + lora_B(lora_A(x.float())) · scaling).to(base dtype)``. Inductor runs ``lora_B`` (an fp32
+matmul with a reduction over the rank, 8–64) on cuBLAS's CUDA-core kernels, which write the fp32
+``[tokens, out]`` product; a second kernel reads it and the base output and writes the sum. In the backward it
+writes ``g.float() · s`` as another fp32 ``[tokens, out]`` tensor, read by two more fp32 matmuls. Per element of
+the output that is 12 bytes moved in the forward and 14 in the backward where 4 and 4 would do.
+
+This op computes the same values from the same inputs, in one kernel each way:
+
+    out    = (base + s · (a @ Bᵀ)).to(base.dtype)     fp32 sums, one rounding (as eager's fp32 sum and cast)
+    dbase  = g                                         (the cast's and the sum's backward: exact)
+    da     = s · (g @ B)                               g read in its own dtype, fp32 sums
+    dB     = s · (gᵀ @ a)
+
+With the Triton path (``fuser.kernels.upcast_linear``'s kernels and launch configurations: ≤ 64-rank fp32
+adapters, a half ``base``, on a GPU or through the interpreter; ``FUSER_UPCAST_LINEAR_TRITON=0`` switches it off)
+nothing of size ``[tokens, out]`` is written in fp32. Elsewhere it computes exactly what the graph computed (the
+reference path). It saves ``a`` and ``B`` (what eager saves). Eager multiplies ``g`` by ``s`` before its two
+matmuls; the kernels multiply the fp32 sums by ``s`` after them: the same value within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fuser.kernels import upcast_linear as U
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or a.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fuser: lora_sum expects weight [out, rank] with rank = a.shape[-1] = {a.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if tuple(base.shape) != (*a.shape[:-1], weight.shape[0]):
+        raise ValueError(
+            f"fuser: lora_sum expects base of shape {(*a.shape[:-1], weight.shape[0])} (a's rows × weight's "
+            f"outputs), got {tuple(base.shape)}"
+        )
+    if not (base.is_floating_point() and a.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"fuser: lora_sum expects floating-point tensors, got {base.dtype}, {a.dtype}, {weight.dtype}")
+
+
+def triton_path(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs."""
+    return (
+        U.triton_enabled(base)
+        and weight.dtype == torch.float32
+        and a.dtype == torch.float32
+        and base.dtype in HALF_DTYPES
+        and 0 < weight.shape[1] <= U.TRITON_MAX_OUT
+    )
+
+
+def reference(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """What peft's graph computes, op by op."""
+    return (base + F.linear(a, weight) * scale).to(base.dtype)
+
+
+@torch.library.custom_op("fuser::lora_sum", mutates_args=())
+def lora_sum_op(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    _check(base, a, weight)
+    if triton_path(base, a, weight):
+        # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
+        return U._dx_triton(a, weight.t(), base.dtype, U._rows(base).contiguous(), scale).view(base.shape)
+    return reference(base, a, weight, scale)
+
+
+@lora_sum_op.register_fake
+def _(base, a, weight, scale):
+    return torch.empty_like(base)
+
+
+@torch.library.custom_op("fuser::lora_sum_grads", mutates_args=())
+def lora_sum_grads(
+    g: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, need_a: bool, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da in a's dtype, dB in B's dtype), each 0-element where not asked for."""
+    da, dw = a.new_empty(0), weight.new_empty(0)
+    if triton_path(g, a, weight):
+        if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
+            da = U._forward_triton(g, weight.t()).mul_(scale)
+        if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
+            dw = U._dw_triton(a, g).t().mul(scale).contiguous()
+        return da, dw
+    d = g.to(weight.dtype) * scale  # eager: the cast's backward, then the product's
+    if need_a:
+        da = (d @ weight).to(a.dtype)
+    if need_w:
+        dw = d.reshape(-1, d.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(weight.dtype)
+    return da, dw
+
+
+@lora_sum_grads.register_fake
+def _(g, a, weight, scale, need_a, need_w):
+    da = a.new_empty(a.shape) if need_a else a.new_empty(0)
+    return da, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
+
+
+def _setup_context(ctx, inputs, output):
+    base, a, weight, scale = inputs
+    ctx.save_for_backward(a, weight)
+    ctx.scale = scale
+    ctx.base_dtype = base.dtype
+
+
+def _backward(ctx, g):
+    a, weight = ctx.saved_tensors
+    need_base, need_a, need_w, _ = ctx.needs_input_grad
+    da = dw = None
+    if need_a or need_w:
+        da, dw = torch.ops.fuser.lora_sum_grads(g, a, weight, ctx.scale, need_a, need_w)
+    dbase = g.to(ctx.base_dtype) if need_base else None
+    return dbase, (da if need_a else None), (dw if need_w else None), None
+
+
+lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def lora_sum(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``(base + F.linear(a, weight) * scale).to(base.dtype)``: peft's LoRA output, fused (see the module doc)."""
+    return torch.ops.fuser.lora_sum(base, a, weight, float(scale))

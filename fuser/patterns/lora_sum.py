@@ -1,0 +1,55 @@
+"""peft's LoRA output under a half-precision base: ``(base + lora_B(a) · s).to(base dtype)``, fp32 adapter.
+
+peft keeps adapters in fp32 and writes ``result = result + lora_B(lora_A(dropout(x))) * scaling`` followed by
+``result.to(torch_result_dtype)``. The op (``fuser/kernels/lora_sum.py``) computes that sum and its gradients
+without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs before the other patterns:
+the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take the op's half-precision
+output as their input instead. Off by default (``FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum"))``)
+until its training-step speed is measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
+from fuser._compat import statically_equal
+from fuser.engine.canonical import tensor_meta
+from fuser.engine.match import C, Found, Op, S, V
+from fuser.kernels.upcast_linear import TRITON_MAX_OUT
+from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+VARIANTS = [
+    Variant(
+        "peft",
+        Op("to", Op("add", V("base"), Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))), C("dtype")),
+    )
+]
+
+
+def check_lora_sum(found: Found, variant: Variant) -> Replacement:
+    b = found.bindings
+    base, a, w, out = (tensor_meta(v) for v in (b["base"], b["a"], b["w"], found.root))
+    if base is None or a is None or w is None or out is None:
+        raise Decline("a value without shape or dtype metadata")
+    if base.dtype not in HALF_DTYPES or b["dtype"] != base.dtype:
+        raise Decline(f"the sum of a {base.dtype} base is cast to {b['dtype']} (the op returns the base's half dtype)")
+    if a.dtype != torch.float32 or w.dtype != torch.float32:
+        raise Decline(f"adapter of dtype {w.dtype} fed {a.dtype} (the op takes an fp32 adapter and input)")
+    if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
+        raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")
+    if isinstance(b["scale"], bool) or not isinstance(b["scale"], int | float):
+        raise Decline(f"scale {b['scale']!r} is not a number")
+    expected = (*a.shape[:-1], w.shape[0])
+    if len(base.shape) != len(expected) or not all(
+        statically_equal(x, y) for x, y in zip(base.shape, expected, strict=True)
+    ):
+        raise Decline(f"base of shape {tuple(base.shape)}, not a's rows × the adapter's outputs {expected}")
+    if base.device != a.device or w.device != a.device:
+        raise Decline("base, input and adapter on different devices")
+    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], float(b["scale"])))
+
+
+LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, default=False)

@@ -1,0 +1,170 @@
+"""Tier 2: ``fuser::lora_sum`` — peft's ``(base + lora_B(a) · s).to(base.dtype)`` with an fp32 adapter under a
+half-precision base: values and gradients of base, ``a`` and ``B``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser.kernels.lora_sum as module
+import fuser.kernels.upcast_linear as U
+from fuser.kernels._triton import HAS_TRITON, interpreting
+from fuser.kernels.lora_sum import lora_sum, reference
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def leaves(gen, lead, rank, n_out, dtype, requires=(True, True, True)):
+    base = torch.randn(*lead, n_out, generator=gen).to(dtype).requires_grad_(requires[0])
+    a = torch.randn(*lead, rank, generator=gen).requires_grad_(requires[1])
+    w = (0.1 * torch.randn(n_out, rank, generator=gen)).requires_grad_(requires[2])
+    return base, a, w
+
+
+def grads(ts):
+    return [None if t.grad is None else t.grad.clone() for t in ts]
+
+
+def within_one_rounding(out, exact, base, a, w, scale):
+    """``out`` is the exact sum computed in fp32 (error ≤ (rank + 2)·2⁻²⁴·Σ|terms|) and rounded once to its dtype
+    (≤ half a unit in the last place, subnormals included): the bound, element by element."""
+    info = torch.finfo(out.dtype)
+    terms = base.detach().double().abs() + F.linear(a.detach().double().abs(), w.detach().double().abs()) * abs(scale)
+    fp32_error = (a.shape[-1] + 2) * 2.0**-24 * terms
+    half_ulp = torch.maximum(exact.abs() * info.eps / 2, torch.full_like(exact, info.smallest_normal * info.eps / 2))
+    excess = (out.double() - exact).abs() - (half_ulp + fp32_error)
+    assert (excess <= 0).all(), f"{(excess > 0).sum().item()} elements beyond one rounding of an fp32 sum"
+
+
+def rel(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def fp64_reference(base, a, w, scale, g):
+    """The exact sum (before its one rounding) and the exact gradients."""
+    b64, a64, w64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (base, a, w))
+    out = b64 + F.linear(a64, w64) * scale
+    out.backward(g.double())
+    return out.detach(), b64.grad, a64.grad, w64.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("lead", [(7,), (2, 5)], ids=str)
+@pytest.mark.parametrize("requires", [(True, True, True), (True, False, True), (False, True, False)], ids=str)
+def test_reference_path_is_the_graphs_computation(dtype, lead, requires, gen, monkeypatch):
+    """Off the Triton path the op is peft's computation, op for op: the same values and gradients."""
+    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    base, a, w = leaves(gen, lead, 16, 24, dtype, requires)
+    g = torch.randn(*lead, 24, generator=gen).to(dtype)
+    expected = (base + F.linear(a, w) * 2.0).to(dtype)
+    expected.backward(g)
+    ref = grads((base, a, w))
+    for t in (base, a, w):
+        t.grad = None
+    out = lora_sum(base, a, w, 2.0)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert torch.equal(out, expected)
+    out.backward(g)
+    for name, got, want, t in zip(("base", "a", "B"), grads((base, a, w)), ref, (base, a, w), strict=True):
+        if want is None:
+            assert got is None, f"d{name} formed but not asked for"
+            continue
+        assert got.dtype == t.dtype, f"d{name} of dtype {got.dtype}"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"d{name}")
+
+
+def test_rejects_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="rank"):
+        lora_sum(torch.randn(3, 8).half(), torch.randn(3, 4), torch.randn(8, 5))
+    with pytest.raises(ValueError, match="base of shape"):
+        lora_sum(torch.randn(3, 9).half(), torch.randn(3, 4), torch.randn(8, 4))
+
+
+# --- the Triton path (a GPU, or the interpreter; fp16 only there) ------------------------------------------------
+
+interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and interpreting()), reason="the Triton path runs on CPU only through the Triton interpreter"
+)
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
+    # every buffer the kernels write starts as NaN, so an element a kernel skips cannot pass for a value
+    monkeypatch.setattr(U, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
+    launched = []
+    for name in ("_forward_triton", "_dx_triton", "_dw_triton"):
+        real = getattr(U, name)
+        monkeypatch.setattr(U, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    return launched
+
+
+@interpreter
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu tiles", "gpu tiles"])
+@pytest.mark.parametrize("lead, rank, n_out", [((37,), 8, 40), ((3, 100), 16, 200), ((2, 70), 64, 33)], ids=str)
+def test_triton_kernels_match_fp64(lead, rank, n_out, gpu_tiles, gen, triton_path, monkeypatch):
+    """One rounding of the fp32 sum in the forward; dbase is g exactly; da and dB within fp32 rounding of fp64.
+    Rows, ranks and outputs off the tile edges, with the interpreter's tiles and with the GPU's."""
+    if gpu_tiles:
+        monkeypatch.setattr(U, "_CPU_CONFIGS", U.CONFIGS)
+    base, a, w = leaves(gen, lead, rank, n_out, torch.float16)
+    g = torch.randn(*lead, n_out, generator=gen).to(torch.float16)
+    out = lora_sum(base, a, w, 0.5)
+    out.backward(g)
+    assert triton_path == ["_dx_triton", "_forward_triton", "_dw_triton"], triton_path
+    exact, dbase, da, dw = fp64_reference(base, a, w, 0.5, g)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    within_one_rounding(out, exact, base, a, w, 0.5)
+    assert torch.equal(base.grad, g)
+    assert a.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    # fp32 sums over the outputs (da) and the rows (dB): relative errors of order 1e-7
+    assert rel(a.grad, da) < 1e-6 and rel(w.grad, dw) < 1e-6, (rel(a.grad, da), rel(w.grad, dw))
+
+
+@interpreter
+def test_triton_kernels_equal_the_reference_path_to_fp32_rounding(gen, triton_path, monkeypatch):
+    base, a, w = leaves(gen, (3, 50), 16, 48, torch.float16)
+    g = torch.randn(3, 50, 48, generator=gen).to(torch.float16)
+    out = lora_sum(base, a, w, 2.0)
+    out.backward(g)
+    fused = (out.clone(), *grads((base, a, w)))
+    for t in (base, a, w):
+        t.grad = None
+    ref = reference(base, a, w, 2.0)
+    ref.backward(g)
+    # the forward: the same fp32 sum up to its last bit, rounded once: at most one fp16 ulp apart
+    assert ((fused[0].double() - ref.double()).abs() <= ref.double().abs() * 2.0**-10 + 2.0**-24).all()
+    assert torch.equal(fused[1], base.grad)
+    for got, want in zip(fused[2:], grads((a, w)), strict=True):
+        assert rel(got, want) < 1e-6, rel(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rank, n_out", [(16, 4096), (16, 14336), (64, 4096), (8, 1024)], ids=str)
+def test_gpu_triton_path_at_lora_shapes(dtype, rank, n_out, monkeypatch):
+    """The Triton path on the GPU at Llama-3-8B LoRA-B shapes (8192 rows) against fp64, to the same bounds as the
+    reference path (cuBLAS fp32; ``FUSER_UPCAST_LINEAR_TRITON=0``)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype).requires_grad_()
+    a = torch.randn(4, 2048, rank, device="cuda", generator=gen).requires_grad_()
+    w = (0.02 * torch.randn(n_out, rank, device="cuda", generator=gen)).requires_grad_()
+    g = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype)
+    exact, dbase, da, dw = fp64_reference(base, a, w, 2.0, g)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", flag)
+        assert module.triton_path(base, a, w) == (flag == "1")
+        for t in (base, a, w):
+            t.grad = None
+        out = lora_sum(base, a, w, 2.0)
+        out.backward(g)
+        assert torch.equal(base.grad, g)
+        within_one_rounding(out, exact, base, a, w, 2.0)
+        for name, got, want in (("da", a.grad, da), ("dB", w.grad, dw)):
+            err = rel(got, want)
+            assert err < 1e-5, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"

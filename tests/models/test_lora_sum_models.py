@@ -1,0 +1,76 @@
+"""Tier 3: peft's fp32 LoRA outputs on a half-precision tiny Llama become ``lora_sum`` (7 per layer) when the
+pattern is named, the gated MLP still fuses (taking the gate and up sums as inputs), and a training step equals
+eager's — bit for bit with that rewrite alone (the same computation), and with every pattern on as close to an
+fp32 reference as eager bf16 is; through the Triton interpreter (fp16) as well."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+from fuser.kernels._triton import HAS_TRITON, interpreting
+from tests.models.tiny import N_LAYERS, batch, lora_model, lora_step, rel
+
+peft = pytest.importorskip("peft")
+
+WITH_LORA_SUM = (*fuser.DEFAULT_PATTERNS, "lora_sum")
+
+
+def test_off_by_default_and_counted_when_named():
+    model = lora_model()
+    assert "lora_sum" not in fuser.DEFAULT_PATTERNS
+    assert "lora_sum" not in fuser.explain(model, **batch()).counts
+    report = fuser.explain(model, config=fuser.FuserConfig(patterns=WITH_LORA_SUM), **batch())
+    assert report.counts.get("lora_sum") == 7 * N_LAYERS, str(report)
+    # the gated MLP takes the gate and up sums as plain inputs, and every adapter's input cast still fuses
+    assert report.counts.get("swiglu") == N_LAYERS and report.counts.get("upcast_linear") == 7 * N_LAYERS
+    assert not [m for m in report.near_misses if m.pattern in ("swiglu", "lora_sum")], str(report)
+
+
+def test_alone_it_is_bit_for_bit_eager():
+    config = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
+    loss_ref, grads_ref = lora_step(lora_model())
+    loss, grads = lora_step(lora_model(), config)
+    assert fuser.backend(config).counts == {"lora_sum": 7 * N_LAYERS}
+    assert torch.equal(loss, loss_ref)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32 and torch.equal(g, grads_ref[name]), name
+
+
+def close_to_fp32_as_eager(dtype, config):
+    model = lora_model(dtype)
+    reference32 = copy.deepcopy(model).float()  # the same values, computed in fp32
+    loss32, grads32 = lora_step(reference32)
+    loss16, grads16 = lora_step(copy.deepcopy(model))
+    loss, grads = lora_step(model, config)
+    counts = fuser.backend(config).counts
+    assert counts.get("lora_sum") == 7 * N_LAYERS and counts.get("swiglu") == N_LAYERS, counts
+    assert abs(loss - loss32) <= 2 * abs(loss16 - loss32) + 1e-3 * abs(loss32)
+    for name, g in grads.items():
+        err, err_eager = rel(g, grads32[name]), rel(grads16[name], grads32[name])
+        assert err <= 1.5 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {dtype} {err_eager:.2e} vs fp32"
+
+
+def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():
+    close_to_fp32_as_eager(torch.bfloat16, fuser.FuserConfig(patterns=WITH_LORA_SUM, strict=True,
+                                                             inner_compiler="aot_eager"))  # fmt: skip
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter")
+def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monkeypatch):
+    """Every fused op's Triton kernels (lora_sum's and upcast_linear's included), fp16 (the interpreter's bf16
+    arithmetic is broken)."""
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
+    import fuser.kernels.upcast_linear as U
+
+    launched = []
+    real = U._dx_triton
+    # lora_sum's forward is the dx kernel with a base (5 arguments); upcast_linear's backward calls it with 3
+    monkeypatch.setattr(U, "_dx_triton", lambda *a, **kw: launched.append(len(a)) or real(*a, **kw))
+    close_to_fp32_as_eager(torch.float16, fuser.FuserConfig(patterns=WITH_LORA_SUM, strict=True,
+                                                            inner_compiler="aot_eager"))  # fmt: skip
+    assert launched.count(5) == 7 * N_LAYERS, launched  # lora_sum's forward kernel ran for every adapter

@@ -1,0 +1,89 @@
+"""Tier 1: peft's ``(base + lora_B(a) · s).to(base dtype)`` with an fp32 adapter under a half-precision base
+becomes ``fuser::lora_sum`` when the pattern is named (it is off by default); what it cannot take, it declines
+with the reason in ``fuser.explain``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+
+STRICT = fuser.FuserConfig(patterns=("lora_sum",), inner_compiler="aot_eager", strict=True)
+N_IN, N_OUT = 64, 48
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def lora_linear(x, w, a, b_lora, scale=2.0):  # peft: base(x) + lora_B(lora_A(x.to(fp32))) * s, cast back
+    base = F.linear(x, w)
+    return (base + F.linear(F.linear(x.to(a.dtype), a), b_lora) * scale).to(x.dtype)
+
+
+def inputs(gen, dtype=torch.bfloat16, rank=8):
+    x = torch.randn(4, 6, N_IN, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(N_OUT, N_IN, generator=gen).to(dtype).requires_grad_()
+    a = (0.1 * torch.randn(rank, N_IN, generator=gen)).requires_grad_()
+    b = (0.1 * torch.randn(N_OUT, rank, generator=gen)).requires_grad_()
+    return x, w, a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_lora_b_sum_is_matched_and_trains_the_same(dtype, gen):
+    x, w, a, b = inputs(gen, dtype)
+    report = fuser.explain(lora_linear, x, w, a, b, config=STRICT)
+    assert report.counts == {"lora_sum": 1}, str(report)
+    expected = lora_linear(x, w, a, b)
+    expected.float().square().sum().backward()
+    ref = [t.grad.clone() for t in (x, w, a, b)]
+    for t in (x, w, a, b):
+        t.grad = None
+    out = torch.compile(lora_linear, backend=fuser.backend(STRICT))(x, w, a, b)
+    out.float().square().sum().backward()
+    assert torch.equal(out, expected)
+    for name, t, r in zip(("x", "base weight", "lora_A", "lora_B"), (x, w, a, b), ref, strict=True):
+        assert torch.equal(t.grad, r), f"d{name}"
+
+
+def test_off_by_default():
+    assert "lora_sum" not in fuser.DEFAULT_PATTERNS and not fuser.FuserConfig().enabled("lora_sum")
+    x, w, a, b = inputs(torch.Generator().manual_seed(0))
+    assert "lora_sum" not in fuser.explain(lora_linear, x, w, a, b).counts
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32 model", "the sum of a torch.float32 base"),
+        ("rank 65", "not a LoRA B of rank ≤ 64"),
+        ("bf16 adapter", "adapter of dtype torch.bfloat16"),
+    ],
+)
+def test_declines_with_a_reason(case, reason, gen):
+    if case == "fp32 model":
+        x, w, a, b = inputs(gen, torch.float32)
+    elif case == "rank 65":
+        x, w, a, b = inputs(gen, rank=65)
+    else:
+        x, w, a, b = inputs(gen)
+        a, b = a.detach().bfloat16(), b.detach().bfloat16()
+    report = fuser.explain(lora_linear, x, w, a, b, config=fuser.FuserConfig(patterns=("lora_sum",)))
+    assert "lora_sum" not in report.counts
+    reasons = [m.reason for m in report.near_misses if m.pattern == "lora_sum"]
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_a_broadcast_base_is_not_matched(gen):
+    x, w, a, b = inputs(gen)
+
+    def broadcast(x, w, a, b_lora):  # the base is one row: the sum broadcasts, the op does not
+        base = F.linear(x[:, :1], w)
+        return (base + F.linear(F.linear(x.to(torch.float32), a), b_lora) * 2.0).to(x.dtype)
+
+    report = fuser.explain(broadcast, x, w, a, b, config=fuser.FuserConfig(patterns=("lora_sum",)))
+    assert "lora_sum" not in report.counts
+    assert any("base of shape" in m.reason for m in report.near_misses), str(report)
