@@ -10,6 +10,8 @@ the output that is 12 bytes moved in the forward and 14 in the backward where 4 
 This op computes the same values from the same inputs, in one kernel each way:
 
     out    = (base + s · (a @ Bᵀ)).to(base.dtype)     fp32 sums, one rounding (as eager's fp32 sum and cast)
+                                                       (QLoRA: peft's bitsandbytes layers round s · (a @ Bᵀ)
+                                                       to the base dtype first, then add: so does the op)
     dbase  = g                                         (the cast's and the sum's backward: exact)
     da     = s · (g @ B)                               g read in its own dtype, fp32 sums
     dB     = s · (gᵀ @ a)
@@ -57,22 +59,29 @@ def triton_path(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bo
     )
 
 
-def reference(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-    """What peft's graph computes, op by op."""
+def reference(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool = False
+) -> torch.Tensor:
+    """What peft's graph computes, op by op (``round_term``: its bitsandbytes layers' order)."""
+    if round_term:
+        return base + (F.linear(a, weight) * scale).to(base.dtype)
     return (base + F.linear(a, weight) * scale).to(base.dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum", mutates_args=())
-def lora_sum_op(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_sum_op(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool = False
+) -> torch.Tensor:
     _check(base, a, weight)
     if triton_path(base, a, weight):
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
-        return U._dx_triton(a, weight.t(), base.dtype, U._rows(base).contiguous(), scale).view(base.shape)
-    return reference(base, a, weight, scale)
+        rows = U._rows(base).contiguous()
+        return U._dx_triton(a, weight.t(), base.dtype, rows, scale, round_term).view(base.shape)
+    return reference(base, a, weight, scale, round_term)
 
 
 @lora_sum_op.register_fake
-def _(base, a, weight, scale):
+def _(base, a, weight, scale, round_term=False):
     return torch.empty_like(base)
 
 
@@ -103,25 +112,30 @@ def _(g, a, weight, scale, need_a, need_w):
 
 
 def _setup_context(ctx, inputs, output):
-    base, a, weight, scale = inputs
+    base, a, weight, scale = inputs[:4]  # round_term is absent from ``inputs`` when left at its default
     ctx.save_for_backward(a, weight)
     ctx.scale = scale
     ctx.base_dtype = base.dtype
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, g):
     a, weight = ctx.saved_tensors
-    need_base, need_a, need_w, _ = ctx.needs_input_grad
+    need_base, need_a, need_w = ctx.needs_input_grad[:3]
     da = dw = None
     if need_a or need_w:
         da, dw = torch.ops.fuser.lora_sum_grads(g, a, weight, ctx.scale, need_a, need_w)
     dbase = g.to(ctx.base_dtype) if need_base else None
-    return dbase, (da if need_a else None), (dw if need_w else None), None
+    return dbase, (da if need_a else None), (dw if need_w else None), *[None] * (ctx.n_inputs - 3)
 
 
 lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def lora_sum(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``(base + F.linear(a, weight) * scale).to(base.dtype)``: peft's LoRA output, fused (see the module doc)."""
-    return torch.ops.fuser.lora_sum(base, a, weight, float(scale))
+def lora_sum(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float = 1.0, *, round_term: bool = False
+) -> torch.Tensor:
+    """``(base + F.linear(a, weight) * scale).to(base.dtype)``: peft's LoRA output, fused (see the module doc).
+    ``round_term=True``: ``base + (F.linear(a, weight) * scale).to(base.dtype)``, the order of peft's
+    bitsandbytes (QLoRA) layers; the gradients are the same functions of ``g``."""
+    return torch.ops.fuser.lora_sum(base, a, weight, float(scale), round_term)

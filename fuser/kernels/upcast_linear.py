@@ -77,9 +77,11 @@ if HAS_TRITON:
     @triton.jit
     def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, scale, n_rows, n_in, n_out, w_stride_out,
                                 w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
-                                PRECISION: tl.constexpr, HAS_BASE: tl.constexpr):  # fmt: skip
+                                PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
+                                ROUND_TERM: tl.constexpr):  # fmt: skip
         # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
-        # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward)
+        # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
+        # with ROUND_TERM the term rounded to dx's dtype first, as peft's bitsandbytes layers add it
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         outs = tl.arange(0, OUT_P)
@@ -92,7 +94,10 @@ if HAS_TRITON:
         offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
         if HAS_BASE:
             base = tl.load(base_ptr + offsets, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            dx = base.to(tl.float32) + dx * scale
+            term = dx * scale
+            if ROUND_TERM:
+                term = term.to(dx_ptr.dtype.element_ty).to(tl.float32)
+            dx = base.to(tl.float32) + term
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
@@ -181,10 +186,16 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _dx_triton(
-    dy: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, base: torch.Tensor | None = None, scale: float = 1.0
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    base: torch.Tensor | None = None,
+    scale: float = 1.0,
+    round_term: bool = False,
 ) -> torch.Tensor:
     """``(dy @ weight).to(dtype)`` (``weight`` [out, in], ≤ 64 rows, any strides), fp32 sums; with ``base``
-    ([rows…, in], contiguous): ``(base + scale · (dy @ weight)).to(dtype)``, one rounding."""
+    ([rows…, in], contiguous): ``(base + scale · (dy @ weight)).to(dtype)``, one rounding (``round_term``:
+    ``base + (scale · (dy @ weight)).to(dtype)``, the term rounded first)."""
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
     n_rows, n_out = dy2.shape
     n_in = weight.shape[1]
@@ -194,7 +205,7 @@ def _dx_triton(
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
             dy2, weight, dx, dx if base is None else base, float(scale), n_rows, n_in, n_out, weight.stride(0),
-            weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None, **cfg,
+            weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None, ROUND_TERM=round_term, **cfg,
         )  # fmt: skip
     return dx.view(*dy.shape[:-1], n_in)
 

@@ -1,11 +1,13 @@
 """peft's LoRA output under a half-precision base: ``(base + lora_B(a) · s).to(base dtype)``, fp32 adapter.
 
 peft keeps adapters in fp32 and writes ``result = result + lora_B(lora_A(dropout(x))) * scaling`` followed by
-``result.to(torch_result_dtype)``. The op (``fuser/kernels/lora_sum.py``) computes that sum and its gradients
-without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs before the other patterns:
-the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take the op's half-precision
-output as their input instead. Off by default (``FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum"))``)
-until its training-step speed is measured on a GPU.
+``result.to(torch_result_dtype)``; its bitsandbytes layers (QLoRA) cast the scaled term first and add it in the
+base dtype (variant "peft bitsandbytes", computed in that order). The op (``fuser/kernels/lora_sum.py``) computes
+that sum and its gradients without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs
+before the other patterns: the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take
+the op's half-precision output as their input instead. Off by default
+(``FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum"))``) until its training-step speed is measured on a
+GPU.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
+_TERM = Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))
 VARIANTS = [
-    Variant(
-        "peft",
-        Op("to", Op("add", V("base"), Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))), C("dtype")),
-    )
+    # peft's Linear: the sum in fp32, then cast to the base dtype
+    Variant("peft", Op("to", Op("add", V("base"), _TERM), C("dtype"))),
+    # peft's bitsandbytes Linear4bit/8bit (QLoRA): the term cast to the base dtype, then added
+    Variant("peft bitsandbytes", Op("add", V("base"), Op("to", _TERM, C("dtype")))),
 ]
 
 
@@ -49,7 +52,10 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
         raise Decline(f"base of shape {tuple(base.shape)}, not a's rows × the adapter's outputs {expected}")
     if base.device != a.device or w.device != a.device:
         raise Decline("base, input and adapter on different devices")
-    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], float(b["scale"])))
+    round_term = variant.name == "peft bitsandbytes"
+    if round_term and out.dtype != base.dtype:
+        raise Decline(f"the sum is {out.dtype}, not the base's {base.dtype}")
+    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], float(b["scale"]), round_term))
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, default=False)

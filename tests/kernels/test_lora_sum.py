@@ -168,3 +168,37 @@ def test_gpu_triton_path_at_lora_shapes(dtype, rank, n_out, monkeypatch):
         for name, got, want in (("da", a.grad, da), ("dB", w.grad, dw)):
             err = rel(got, want)
             assert err < 1e-5, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_round_term_reference_path_is_peft_bitsandbytes_order(dtype, gen, monkeypatch):
+    """``round_term``: the scaled term rounded to the base dtype, then added there (peft's QLoRA layers): the same
+    values as that graph, and the same gradients as without ``round_term`` (the same functions of g)."""
+    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    base, a, w = leaves(gen, (2, 5), 16, 24, dtype)
+    g = torch.randn(2, 5, 24, generator=gen).to(dtype)
+    expected = base + (F.linear(a, w) * 2.0).to(dtype)
+    expected.backward(g)
+    ref = grads((base, a, w))
+    for t in (base, a, w):
+        t.grad = None
+    out = lora_sum(base, a, w, 2.0, round_term=True)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, lora_sum(base, a, w, 2.0))  # the two orders round differently somewhere
+    out.backward(g)
+    for got, want in zip(grads((base, a, w)), ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@interpreter
+def test_round_term_triton_kernel_rounds_the_term_first(gen, triton_path):
+    base, a, w = leaves(gen, (3, 40), 16, 72, torch.float16)
+    out = lora_sum(base, a, w, 0.5, round_term=True)
+    term = (F.linear(a, w) * 0.5).detach()
+    expected = base + term.to(torch.float16)
+    # the fp32 term may differ from the reference's in its last bits: one rounding of the term and one of the sum
+    # may each land one fp16 ulp apart, no more
+    bound = (term.abs() + expected.float().abs()) * 2.0**-10 + 2.0**-23
+    assert ((out.float() - expected.float()).abs() <= bound).all()
+    unrounded = lora_sum(base, a, w, 0.5)
+    assert not torch.equal(out, unrounded)  # the kernel did round the term first

@@ -69,8 +69,8 @@ def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monk
 
     launched = []
     real = U._dx_triton
-    # lora_sum's forward is the dx kernel with a base (5 arguments); upcast_linear's backward calls it with 3
+    # lora_sum's forward is the dx kernel with a base (6 arguments); upcast_linear's backward calls it with 3
     monkeypatch.setattr(U, "_dx_triton", lambda *a, **kw: launched.append(len(a)) or real(*a, **kw))
     close_to_fp32_as_eager(torch.float16, fuser.FuserConfig(patterns=WITH_LORA_SUM, strict=True,
                                                             inner_compiler="aot_eager"))  # fmt: skip
-    assert launched.count(5) == 7 * N_LAYERS, launched  # lora_sum's forward kernel ran for every adapter
+    assert launched.count(6) == 7 * N_LAYERS, launched  # lora_sum's forward kernel ran for every adapter

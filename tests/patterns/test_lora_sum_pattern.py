@@ -87,3 +87,24 @@ def test_a_broadcast_base_is_not_matched(gen):
     report = fuser.explain(broadcast, x, w, a, b, config=fuser.FuserConfig(patterns=("lora_sum",)))
     assert "lora_sum" not in report.counts
     assert any("base of shape" in m.reason for m in report.near_misses), str(report)
+
+
+def qlora_linear(x, w, a, b_lora, scale=2.0):  # peft's bitsandbytes layers: the scaled term cast, then added
+    base = F.linear(x, w)
+    return base + (F.linear(F.linear(x.to(a.dtype), a), b_lora) * scale).to(x.dtype)
+
+
+def test_bitsandbytes_order_is_matched_as_its_own_variant_and_trains_the_same(gen):
+    x, w, a, b = inputs(gen)
+    report = fuser.explain(qlora_linear, x, w, a, b, config=STRICT)
+    assert report.counts == {"lora_sum": 1} and [m.variant for m in report.matches] == ["peft bitsandbytes"]
+    expected = qlora_linear(x, w, a, b)
+    expected.float().square().sum().backward()
+    ref = [t.grad.clone() for t in (x, w, a, b)]
+    for t in (x, w, a, b):
+        t.grad = None
+    out = torch.compile(qlora_linear, backend=fuser.backend(STRICT))(x, w, a, b)
+    out.float().square().sum().backward()
+    assert torch.equal(out, expected)
+    for name, t, r in zip(("x", "base weight", "lora_A", "lora_B"), (x, w, a, b), ref, strict=True):
+        assert torch.equal(t.grad, r), f"d{name}"
