@@ -202,3 +202,22 @@ def test_round_term_triton_kernel_rounds_the_term_first(gen, triton_path):
     assert ((out.float() - expected.float()).abs() <= bound).all()
     unrounded = lora_sum(base, a, w, 0.5)
     assert not torch.equal(out, unrounded)  # the kernel did round the term first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_round_term_at_a_lora_shape(dtype, monkeypatch):
+    """QLoRA's order on the GPU: the Triton path within one rounding of the term and one of the sum of the
+    reference path's values (cuBLAS fp32), and the same gradients as without ``round_term``."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(8192, 4096, device="cuda", generator=gen).to(dtype)
+    a = torch.randn(8192, 16, device="cuda", generator=gen)
+    w = 0.02 * torch.randn(4096, 16, device="cuda", generator=gen)
+    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "0")
+    expected = lora_sum(base, a, w, 2.0, round_term=True)
+    term = (F.linear(a, w) * 2.0).abs()
+    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
+    out = lora_sum(base, a, w, 2.0, round_term=True)
+    eps = torch.finfo(dtype).eps
+    assert ((out.float() - expected.float()).abs() <= (term + expected.float().abs()) * eps + 1e-30).all()
+    assert not torch.equal(out, lora_sum(base, a, w, 2.0))
