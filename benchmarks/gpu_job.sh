@@ -4,7 +4,8 @@
 # Usage (device tool, carry [".whl"]):  JOB=llama3-8b-lora bash benchmarks/gpu_job.sh
 #   MODES (default "eager,liger,compile"; fuser always runs last, profiled), STEPS (10), WARMUP (3), TIMEOUT per
 #   mode in s (240), EXTRA: more train_step.py flags for every mode (e.g. "--layers 8"), TAG: a suffix for the
-#   result folder and archive, so one call can run a job twice (e.g. MODES= TAG=triton FUSER_UPCAST_LINEAR_TRITON=1)
+#   result folder and archive, so one call can run a job twice (e.g. MODES= TAG=triton FUSER_UPCAST_LINEAR_TRITON=1),
+#   MEMORY=1: every mode also writes what is live at the peak of one more step (memory_<job>_<mode>.md)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -20,6 +21,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | 
 COMMON=(--job "$JOB" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" --timeout "${TIMEOUT:-240}")
 # shellcheck disable=SC2206
 EXTRA_ARGS=(${EXTRA:-})
+if [ "${MEMORY:-0}" = 1 ]; then EXTRA_ARGS+=(--memory-at-peak "$R"); fi
 FILES=()
 if [ -n "${MODES-eager,liger,compile}" ]; then
   python3 benchmarks/train_step.py "${COMMON[@]}" "${EXTRA_ARGS[@]}" --all-modes --modes "${MODES:-eager,liger,compile}" \

@@ -374,7 +374,7 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
         import fuser
 
         model = fuser.optimize(model, fuser_config(args))
-    n_profile = 3 if args.profile else 0
+    n_profile = (3 if args.profile else 0) + (1 if args.memory_at_peak else 0)
     batches = make_batches(args.warmup + args.steps + n_profile, batch, seq, model.config.vocab_size, 1, device)
 
     def sync() -> None:
@@ -441,7 +441,11 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
 
     if args.profile:
         result["phase"] = "profile"
-        result["profile"] = profile_steps(result, args, batches[-n_profile:], train_step, sync, device)
+        profiled = batches[args.warmup + args.steps : args.warmup + args.steps + 3]
+        result["profile"] = profile_steps(result, args, profiled, train_step, sync, device)
+    if args.memory_at_peak:
+        result["phase"] = "memory"
+        result["memory_at_peak"] = memory_at_peak(result, args, batches[-1], train_step, sync, device)
     result["phase"] = "done"
 
 
@@ -542,6 +546,79 @@ def family_table(times: dict[str, list[float]], n_steps: int, wall_ms: float | N
         for name, (t, calls) in top
     ]
     return families, markdown_table(["kernel", "family", "calls / step", "ms / step", "%"], top_rows)
+
+
+def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
+    """Replay an allocator trace (``alloc`` / ``free_requested`` / ``free_completed`` events of ``addr`` and
+    ``size``): the most bytes allocated at once (blocks allocated before the trace began not counted), and the
+    events of the blocks live at that moment. A block counts as freed at its first free event."""
+    live: dict[int, dict] = {}
+    now = peak = 0
+    peak_live: list[dict] = []
+    for ev in events:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            now += ev["size"]
+            if now > peak:
+                peak, peak_live = now, list(live.values())
+        elif ev["action"] in ("free_requested", "free_completed") and ev["addr"] in live:
+            now -= live.pop(ev["addr"])["size"]
+    return peak, peak_live
+
+
+def memory_at_peak(result, args, ids, train_step, sync, device: torch.device) -> dict[str, Any] | None:
+    """One more step with the CUDA allocator's history recorded; replay its trace to the moment the allocated
+    bytes peak and write what is live then, grouped by where it was allocated (the first frame outside torch's
+    own files, with its source line: Inductor's generated code names the buffer and its shape there), to
+    ``memory_<job>_<mode>.md`` in ``--memory-at-peak``."""
+    if device.type != "cuda":
+        print("train_step: --memory-at-peak needs CUDA; skipped", file=sys.stderr)
+        return None
+    import linecache
+
+    sync()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    try:
+        train_step(ids)
+        sync()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, peak_live = live_at_peak(snapshot["device_traces"][device.index or 0])
+
+    def where(ev: dict) -> str:
+        for frame in ev.get("frames", []):
+            name = frame.get("filename", "")
+            if "/torch/" in name and "torchinductor" not in name or name.startswith("<") or name.endswith(".cpp"):
+                continue
+            source = linecache.getline(name, frame.get("line", 0)).strip()[:110]
+            return f"`{Path(name).name}:{frame.get('line')}` {frame.get('name', '')}: `{source}`"
+        return "(no Python frame outside torch)"
+
+    groups: dict[str, list[int]] = {}
+    for ev in peak_live:
+        groups.setdefault(where(ev), []).append(ev["size"])
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:30]
+    gib = 2.0**30
+    lines = [
+        f"# Memory at the peak of one step: {result['job']}, {result['mode']}",
+        "",
+        f"- command: `{result['command']}`",
+        f"- date: {result['date']}; device: {result['device']}",
+        f"- allocated before the step (parameters, gradients, optimizer state, caches): {base / gib:.2f} GiB;"
+        f" allocated during the step, at its peak: {peak / gib:.2f} GiB; sum {(base + peak) / gib:.2f} GiB",
+        f"- {len(peak_live)} blocks live at the peak; the 30 largest groups by allocation site:",
+        "",
+        "| GiB | blocks | largest MiB | allocated at |",
+        "|---:|---:|---:|---|",
+    ]
+    for site, sizes in top:
+        lines.append(f"| {sum(sizes) / gib:.3f} | {len(sizes)} | {max(sizes) / 2**20:.1f} | {site} |")
+    out_dir = Path(args.memory_at_peak)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"memory_{result['job']}_{result['mode']}.md").write_text("\n".join(lines) + "\n")
+    return {"before_gib": base / gib, "step_peak_gib": peak / gib, "blocks_at_peak": len(peak_live)}
 
 
 def profile_steps(result, args, batches, train_step, sync, device: torch.device) -> dict[str, Any]:
@@ -698,10 +775,10 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
 
 def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--job", args.job, "--mode", mode, "--json", str(json_path)]
-    for flag in ("steps", "warmup", "batch", "seq", "layers", "device", "dtype", "seed", "profile"):
+    for flag in ("steps", "warmup", "batch", "seq", "layers", "device", "dtype", "seed", "profile", "memory_at_peak"):
         value = getattr(args, flag)
         if value is not None:
-            cmd += [f"--{flag}", str(value)]
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
     if args.tiny:
         cmd.append("--tiny")
     if args.attention_mask:
@@ -829,6 +906,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum)",
     )
     parser.add_argument("--profile", metavar="DIR", help="profile 3 more steps; write profile_<job>_<mode>.md to DIR")
+    parser.add_argument(
+        "--memory-at-peak", metavar="DIR", help="one more step with allocator history: write what is live at its peak"
+    )
     parser.add_argument("--json", metavar="FILE", help="write every number as JSON")
     parser.add_argument("--out", metavar="FILE", help="--all-modes, --combine: write the markdown table here too")
     parser.add_argument("--timeout", type=float, help="--all-modes: seconds allowed to each mode's process")

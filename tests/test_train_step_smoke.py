@@ -119,3 +119,26 @@ def test_profile_groups_kernels_by_family(train_step):
     assert "| matmul | 0.30 | 85.7% |" in families
     assert "| fused ops (fuser) | 0.05 | 14.3% |" in families
     assert "`nvjet_tst_a` | matmul | 1 | 0.300 | 85.7% |" in top
+
+
+def test_live_at_peak_replays_the_allocator_trace(train_step):
+    """--memory-at-peak's replay on a made-up trace: the peak and exactly the blocks live then; a block freed
+    (first free event) no longer counts, its second free event changes nothing, an unknown free is ignored."""
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size}
+
+    events = [
+        ev("alloc", 1, 100),
+        ev("alloc", 2, 50),
+        ev("free_requested", 1, 100),
+        ev("free_completed", 1, 100),
+        ev("alloc", 3, 120),  # 170 live: the peak
+        ev("free_requested", 99, 7),  # allocated before the trace began
+        ev("free_requested", 2, 50),
+        ev("alloc", 4, 40),  # 120 + 40 = 160 live: below the peak
+    ]
+    peak, live = train_step.live_at_peak(events)
+    assert peak == 170
+    assert sorted(e["addr"] for e in live) == [2, 3]
+    assert train_step.live_at_peak([]) == (0, [])
