@@ -23,8 +23,8 @@ SHAPES = ((8192, 4096, 16), (8192, 14336, 16), (8192, 4096, 64))
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
 SPACE = {
     "fwd": [
-        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, "num_stages": s}
-        for m, k, (w, s) in itertools.product((32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
+        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, "num_stages": s, "SPLIT_K": sk}
+        for m, k, (w, s), sk in itertools.product((32, 64, 128), (64, 128), ((4, 3), (4, 4)), (1, 2, 4, 8))
     ],
     "dx": [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}

@@ -56,21 +56,25 @@ if HAS_TRITON:
 
     @triton.jit
     def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_in, n_out, x_row_stride, w_stride_out, w_stride_in,
-                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_P: tl.constexpr,
+                                 k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_P: tl.constexpr,
                                  PRECISION: tl.constexpr):  # fmt: skip
-        # y[rows, :] = x[rows, :] @ Wᵀ with fp32 sums, x read in its own dtype (W [n_out, n_in] at any strides)
+        # y[split, rows, :] = x[rows, ks of the split] @ W[:, ks of the split]ᵀ with fp32 sums, x read in its own
+        # dtype (W [n_out, n_in] at any strides); one split (the whole of n_in) unless the caller splits it
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(1)
         outs = tl.arange(0, OUT_P)
         row_ok = rows < n_rows
         acc = tl.zeros((BLOCK_M, OUT_P), tl.float32)
-        for k0 in range(0, n_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < n_in
+        first = split * k_per_split
+        for k0 in range(0, k_per_split, BLOCK_K):
+            ks = first + k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < n_in  # k_per_split is a multiple of BLOCK_K: no tile crosses into the next split
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
             w = tl.load(w_ptr + outs[None, :] * w_stride_out + ks[:, None] * w_stride_in,
                         mask=k_ok[:, None] & (outs[None, :] < n_out), other=0.0)  # fmt: skip
             acc += tl.dot(x, w, input_precision=PRECISION)
+        y_ptr += split.to(tl.int64) * n_rows * n_out
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc,
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
 
@@ -151,12 +155,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # thousands of terms here; x in bf16/fp16 is exact in TF32, so its remainder is zero). Chosen by
 # ``benchmarks/tune_upcast_linear.py`` on the H200. The interpreter (CPU) ignores the precision and the stages.
 CONFIGS = {
-    "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3"},
+    "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 1},
     "dx": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRECISION": "tf32x3"},
     "dw": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PRECISION": "tf32x3", "SPLITS": 8},
 }
 _CPU_CONFIGS = {
-    "fwd": {"BLOCK_M": 16, "BLOCK_K": 32, "PRECISION": "ieee"},
+    "fwd": {"BLOCK_M": 16, "BLOCK_K": 32, "PRECISION": "ieee", "SPLIT_K": 1},
     "dx": {"BLOCK_M": 16, "BLOCK_N": 32, "PRECISION": "ieee"},
     "dw": {"BLOCK_M": 16, "BLOCK_N": 32, "PRECISION": "ieee", "SPLITS": 16},
 }
@@ -175,13 +179,19 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     n_rows, n_in = x2.shape
     n_out = weight.shape[0]
-    y = _alloc(n_rows, n_out, dtype=torch.float32, device=x.device)
     cfg = _config("fwd", x.device)
+    # the inputs in a fixed number of splits (a function of the shapes): more programs for few rows; the
+    # splits' partial products are added in a fixed order (deterministic)
+    block_k, max_splits = cfg["BLOCK_K"], cfg.pop("SPLIT_K")
+    k_per_split = triton.cdiv(triton.cdiv(max(n_in, 1), max_splits), block_k) * block_k
+    splits = max(1, triton.cdiv(n_in, k_per_split))
+    y = _alloc(splits, n_rows, n_out, dtype=torch.float32, device=x.device)
     if n_rows:
-        upcast_linear_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
-            x2, weight, y, n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1),
+        upcast_linear_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]), splits)](
+            x2, weight, y, n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1), k_per_split,
             OUT_P=_out_p(n_out), **cfg,
         )  # fmt: skip
+    y = y[0] if splits == 1 else y.sum(0)
     return y.view(*x.shape[:-1], n_out)
 
 

@@ -154,6 +154,21 @@ def test_triton_kernels_with_the_gpu_tiles_match_fp64(gen, triton_path, monkeypa
 
 
 @interpreter
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_forward_with_the_inputs_split_matches_fp64(split_k, gen, triton_path, monkeypatch):
+    """The forward with its inputs in splits (summed after, in a fixed order): 200 inputs in 32-wide tiles leave
+    a short last tile and, at 7 splits, splits of one tile; every row written, none twice."""
+    monkeypatch.setitem(module._CPU_CONFIGS, "fwd", {**module._CPU_CONFIGS["fwd"], "SPLIT_K": split_k})
+    x = torch.randn(3, 30, 200, generator=gen).to(torch.float16)
+    w = 0.1 * torch.randn(24, 200, generator=gen)
+    out = upcast_linear(x, w)
+    assert triton_path == ["_forward_triton"]
+    torch.testing.assert_close(out.double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-5)
+    monkeypatch.setitem(module._CPU_CONFIGS, "fwd", {**module._CPU_CONFIGS["fwd"], "SPLIT_K": 1})
+    assert torch.equal(upcast_linear(x, w), upcast_linear(x, w))  # deterministic at one split as well
+
+
+@interpreter
 def test_triton_kernels_are_deterministic(gen, triton_path):
     x = torch.randn(300, 48, generator=gen).to(torch.float16).requires_grad_()  # 3 row splits of the weight grad
     w = (0.1 * torch.randn(16, 48, generator=gen)).requires_grad_()
