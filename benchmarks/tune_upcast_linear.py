@@ -21,18 +21,19 @@ from fuser.kernels import upcast_linear as K
 
 SHAPES = ((8192, 4096, 16), (8192, 14336, 16), (8192, 4096, 64))
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
+PRECISIONS = ("tf32x3", "bf16x3")  # bf16x3: x as a native bf16 operand, the fp32 one in three bf16 parts
 SPACE = {
     "fwd": [
-        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, "num_stages": s, "SPLIT_K": sk}
-        for m, k, (w, s), sk in itertools.product((32, 64, 128), (64, 128), ((4, 3), (4, 4)), (1, 2, 4, 8))
+        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": 4, "num_stages": 4, "SPLIT_K": sk, "PRECISION": p}
+        for m, k, sk, p in itertools.product((32, 64), (64, 128), (1, 2, 4, 8), PRECISIONS)
     ],
     "dx": [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
         for m, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
     ],
     "dw": [
-        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "SPLITS": sp}
-        for m, n, (w, s), sp in itertools.product((32, 64, 128), (32, 64, 128), ((4, 3), (8, 3)), (8, 16, 32))
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 3, "SPLITS": sp, "PRECISION": p}
+        for m, n, sp, p in itertools.product((64, 128), (64, 128), (8, 16), PRECISIONS)
     ],
 }
 
