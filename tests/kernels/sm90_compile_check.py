@@ -1,0 +1,186 @@
+"""Compile every Triton kernel that fuser's ops launch, at the GPU's launch configurations, to sm_90 (the H200)
+on a machine without a GPU: fp32, fp16 and bf16 (the Triton interpreter cannot run bf16).
+
+How: each op's Python implementation runs on fake CUDA tensors (``FakeTensorMode``), so every wrapper takes its
+GPU path and picks its GPU launch configuration; each ``kernel[grid](...)`` is intercepted and compiled with
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton ships ptxas) instead of launched. Three shims stand
+in for what a CPU-only torch lacks: tensor indexing (Python's ``t[...]`` takes a CUDA device guard) goes through
+the equivalent aten ops, the SM count is the H200's (132), and lm_head+CE runs without its side stream. Autograd
+cannot run on fake CUDA tensors, so the backward ops are called directly. Run as a script without
+``TRITON_INTERPRET``; prints one JSON line: kernel signature and constexprs → "ok" or the error, and each
+scenario whose wrapper failed after (or before) its launches: some torch ops on fake CUDA tensors need a CUDA
+device guard that a CPU-only torch lacks. ``tests/kernels/test_sm90_compile.py`` runs it and checks that every
+kernel of ``fuser/kernels`` was compiled, in bf16 among others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["FUSER_LCE_STREAMS"] = "0"  # no CUDA streams here
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch._library.custom_ops import CustomOpDef  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import fuser.kernels._triton as T  # noqa: E402
+import fuser.kernels.gated_activation as G  # noqa: E402
+import fuser.kernels.linear_cross_entropy as L  # noqa: E402
+import fuser.kernels.lora_sum as LS  # noqa: E402
+import fuser.kernels.rms_norm as R  # noqa: E402
+import fuser.kernels.rope as P  # noqa: E402
+import fuser.kernels.upcast_linear as U  # noqa: E402
+
+H200_SMS = 132
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+          torch.int32: "i32", torch.int8: "i8", torch.bool: "i1", torch.uint8: "u8"}  # fmt: skip
+results: dict[str, str] = {}
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {value!r}")
+
+
+def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
+    bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in OPTIONS})
+    bound.apply_defaults()
+    signature, constexprs = {}, {}
+    for param in self.params:
+        value = bound.arguments[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        else:
+            signature[param.name] = _type(value)
+    options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
+    types = ", ".join(f"{k}={v}" for k, v in signature.items() if v != "constexpr")
+    key = f"{self.fn.__name__}({types}) {dict(constexprs, **options)}"
+    if key not in results:
+        try:
+            triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=GPUTarget(
+                "cuda", 90, 32), options=options)  # fmt: skip
+            results[key] = "ok"
+        except Exception as error:  # noqa: BLE001 - every failure is a result
+            results[key] = f"{type(error).__name__}: {str(error)[:400]}"
+
+
+def _aten_getitem(t: torch.Tensor, index):
+    """``t[index]`` for ints, slices, Ellipsis and None through aten ops (no device guard)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        fill = t.dim() - sum(i is not None for i in index if i is not Ellipsis)
+        index = index[:at] + (slice(None),) * fill + index[at + 1 :]
+    dim = 0
+    for i in index:
+        if i is None:
+            t = torch.ops.aten.unsqueeze(t, dim)
+            dim += 1
+        elif isinstance(i, int):
+            t = torch.ops.aten.select(t, dim, i)
+        elif isinstance(i, slice):
+            t = torch.ops.aten.slice(t, dim, i.start, i.stop, i.step or 1)
+            dim += 1
+        else:
+            raise TypeError(f"index {i!r}")
+    return t
+
+
+def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
+    """Calls of every op's implementation (forward and backward ops) on fake CUDA tensors of ``dt``."""
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="cuda", dtype=dtype)
+
+    rows, hidden, inter = 128, 256, 512
+    x, w = t(2, rows, hidden, dtype=dt), t(hidden, dtype=dt)
+    g, u = t(2, rows, inter, dtype=dt), t(2, rows, inter, dtype=dt)
+    lora = t(2, rows, inter, dtype=torch.float32)
+    q, k, cos = t(2, 8, rows, 64, dtype=dt), t(2, 2, rows, 64, dtype=dt), t(1, 1, rows, 64, dtype=dt)
+    h, vocab_w = t(rows * 2, hidden, dtype=dt), t(32000, hidden, dtype=dt)
+    labels = torch.zeros(rows * 2, device="cuda", dtype=torch.long)
+    scenarios = {
+        "rms_norm": lambda: ops["rms_norm_op"](x, w, 1e-6, 0.0, None, None),
+        "rms_norm, fp32 norm, gemma offset": lambda: ops["rms_norm_op"](x, w, 1e-6, 1.0, torch.float32, dt),
+        "rms_norm backward": lambda: ops["rms_norm_backward_op"](
+            x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True
+        ),
+        "swiglu": lambda: ops["gated_activation_op"](g, u, None, None, 1.0, 1.0, "silu"),
+        "geglu, fp32 LoRA terms": lambda: ops["gated_activation_op"](g, u, lora, lora, 2.0, 2.0, "gelu_tanh"),
+        "gated backward": lambda: ops["gated_activation_backward_op"](
+            g, g, u, 2.0, 2.0, True, True, True, True, "silu", torch.float32, torch.float32
+        ),
+        "gated packed": lambda: ops["gated_activation_packed_op"](
+            t(2, rows, 2 * inter, dtype=dt), None, 1.0, "gelu"
+        ),  # fmt: skip
+        "gated packed backward": lambda: ops["gated_activation_packed_backward_op"](
+            g, t(2, rows, 2 * inter, dtype=dt), 1.0, True, False, "silu"
+        ),
+        "rope": lambda: ops["rope_op"](q, k, cos, cos, 64, "half"),
+        "rope interleaved, partial": lambda: ops["rope_op"](
+            q, k, cos[..., :32], cos[..., :32], 32, "interleaved"
+        ),  # fmt: skip
+        "rope backward": lambda: ops["rope_backward_op"](q, k, cos, cos, 64, "half"),
+        "linear_cross_entropy": lambda: ops["linear_cross_entropy_op"](
+            h, vocab_w, None, labels, -100, "mean", 1.0, 0.0, True, True, False
+        ),
+        "linear_cross_entropy, softcap, scale": lambda: ops["linear_cross_entropy_op"](
+            h, vocab_w, None, labels, -100, "sum", 0.5, 30.0, True, True, False
+        ),
+        "linear_cross_entropy backward's scale": lambda: L._scale_inplace(
+            t(rows * 2, hidden, dtype=dt), t((), dtype=torch.float32)
+        ),
+    }
+    if dt != torch.float32:
+        a32, b32, x32 = (
+            t(16, hidden, dtype=torch.float32),
+            t(hidden, 16, dtype=torch.float32),
+            t(2, rows, 16, dtype=torch.float32),
+        )
+        scenarios |= {
+            "upcast_linear": lambda: ops["upcast_linear_op"](x, a32, None),
+            "upcast_linear grads": lambda: ops["upcast_linear_grads"](x32, x, a32, True, True),
+            "lora_sum": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False),
+            "lora_sum, QLoRA order": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, True),
+            "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),
+        }
+    return scenarios
+
+
+def main() -> None:
+    JITFunction.run = compile_instead_of_launch
+    T.num_programs_for = lambda t, programs_per_sm=4: programs_per_sm * H200_SMS
+    for module in (G, L, LS, R, P, U):
+        if hasattr(module, "num_programs_for"):
+            module.num_programs_for = T.num_programs_for
+    getitem = torch.Tensor.__getitem__
+    torch.Tensor.__getitem__ = lambda t, index: _aten_getitem(t, index) if t.is_cuda else getitem(t, index)
+    ops = {n: v._init_fn for m in (G, L, LS, R, P, U) for n, v in vars(m).items() if isinstance(v, CustomOpDef)}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for name, run in scenarios_for(dt, ops).items():
+                try:
+                    run()
+                except Exception as error:  # noqa: BLE001 - a wrapper that cannot run on fake tensors is a result
+                    results[f"scenario {name} {dt}"] = f"{type(error).__name__}: {str(error)[:400]}"
+    torch.Tensor.__getitem__ = getitem
+    json.dump(results, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
