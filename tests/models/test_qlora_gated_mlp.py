@@ -6,6 +6,8 @@ The QLoRA tests need bitsandbytes (not a CI dependency: they skip there); the to
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,13 +132,13 @@ def bnb():
     return pytest.importorskip("bitsandbytes")
 
 
-def build_qlora_llama(bnb) -> torch.nn.Module:
+def build_qlora_llama(bnb, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A tiny Llama (2 layers, hidden 64) built as ``benchmarks/train_step.py`` builds its QLoRA job: every decoder
-    ``nn.Linear`` replaced by an NF4 ``bnb.nn.Linear4bit`` computing in fp32, marked as a 4-bit load so that peft
-    wraps them with its bitsandbytes LoRA layer, then LoRA on all linears."""
+    ``nn.Linear`` replaced by an NF4 ``bnb.nn.Linear4bit`` computing in ``dtype`` (the model's), marked as a 4-bit
+    load so that peft wraps them with its bitsandbytes LoRA layer, then LoRA on all linears (fp32 adapters)."""
     import peft
 
-    model = from_config("LlamaConfig", {"attn_implementation": "sdpa"})
+    model = from_config("LlamaConfig", {"attn_implementation": "sdpa"}).to(dtype)
     for layer in model.model.layers:
         for name, linear in list(layer.named_modules()):
             if type(linear) is not torch.nn.Linear:
@@ -145,7 +147,7 @@ def build_qlora_llama(bnb) -> torch.nn.Module:
                 linear.in_features,
                 linear.out_features,
                 bias=linear.bias is not None,
-                compute_dtype=torch.float32,
+                compute_dtype=dtype,
                 quant_type="nf4",
                 device="meta",
             )
@@ -189,3 +191,23 @@ def test_qlora_llama_dynamic_shape_recompile_still_fuses(bnb):
     results = fuser.backend(STRICT).results
     assert len(results) == 2  # the static compile and the dynamic-shape one
     assert [r.counts.get("swiglu") for r in results] == [N_LAYERS, N_LAYERS]
+
+
+def test_qlora_bf16_lora_sums_take_the_bitsandbytes_order_bit_for_bit(bnb):
+    """A bf16 QLoRA model: peft's bitsandbytes layers cast the scaled LoRA term to bf16 before adding it, and
+    ``lora_sum`` (named) matches each as its "peft bitsandbytes" variant; alone, the step is eager's bit for bit."""
+    model = build_qlora_llama(bnb, torch.bfloat16)
+    named = fuser.FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum"))
+    report = fuser.explain(model, config=named, **batch())
+    assert report.counts.get("lora_sum") == 7 * N_LAYERS and report.counts.get("swiglu") == N_LAYERS, str(report)
+    assert {m.variant for m in report.matches if m.pattern == "lora_sum"} == {"peft bitsandbytes"}
+    reference = copy.deepcopy(model)
+    out_ref = reference(**batch())
+    out_ref.loss.backward()
+    alone = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
+    out = fuser.optimize(model, alone)(**batch())
+    out.loss.backward()
+    assert fuser.backend(alone).counts == {"lora_sum": 7 * N_LAYERS}
+    assert torch.equal(out.loss, out_ref.loss)
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads and all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
