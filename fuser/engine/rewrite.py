@@ -94,14 +94,12 @@ def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Graph
 def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: str, result: RewriteResult) -> None:
     claimed: set[Node] = set()
     anchors: list[tuple[Pattern, Node]] = []
+    calls = [(n, canonical(n)) for n in reversed(graph.nodes) if n.op in ("call_function", "call_method")]
     # the patterns that run first see the whole graph before the others (their matches are claimed first)
     for group in ([p for p in patterns if p.runs_first], [p for p in patterns if not p.runs_first]):
         if not group:
             continue
-        for node in reversed(graph.nodes):
-            if node.op not in ("call_function", "call_method"):
-                continue
-            canon = canonical(node)
+        for node, canon in calls:
             for pattern in group:
                 if canon is not None and canon.op in pattern.anchors:
                     anchors.append((pattern, node))

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.kernels import upcast_linear as U
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+from fuser.kernels.upcast_linear import HALF_DTYPES
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:

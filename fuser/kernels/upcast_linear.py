@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from fuser.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the inputs the op saves instead of their fp32 copies
 _alloc = torch.empty  # the Triton path's output buffers (tests fill them with NaN first)
 
 
@@ -158,7 +159,7 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         triton_enabled(x)
         and weight.dtype == torch.float32
-        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dtype in HALF_DTYPES
         and 0 < weight.shape[0] <= TRITON_MAX_OUT
         and weight.is_contiguous()
     )
@@ -196,6 +197,13 @@ def _config(kind: str, device: torch.device, x_dtype: torch.dtype | None = None)
     return cfg
 
 
+def _even_splits(n: int, max_splits: int, block: int) -> tuple[int, int]:
+    """(items per split, splits): at most ``max_splits`` near-equal splits of ``n`` items, each a multiple of
+    ``block`` (so no tile crosses into the next split), at least one split."""
+    per_split = triton.cdiv(triton.cdiv(max(n, 1), max_splits), block) * block
+    return per_split, max(1, triton.cdiv(n, per_split))
+
+
 def _out_p(n_out: int) -> int:
     return max(16, triton.next_power_of_2(n_out))
 
@@ -208,9 +216,7 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = _config("fwd", x.device, x.dtype)
     # the inputs in a fixed number of splits (a function of the shapes): more programs for few rows; the
     # splits' partial products are added in a fixed order (deterministic)
-    block_k, max_splits = cfg["BLOCK_K"], cfg.pop("SPLIT_K")
-    k_per_split = triton.cdiv(triton.cdiv(max(n_in, 1), max_splits), block_k) * block_k
-    splits = max(1, triton.cdiv(n_in, k_per_split))
+    k_per_split, splits = _even_splits(n_in, cfg.pop("SPLIT_K"), cfg["BLOCK_K"])
     y = _alloc(splits, n_rows, n_out, dtype=torch.float32, device=x.device)
     if n_rows:
         upcast_linear_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]), splits)](
@@ -252,12 +258,11 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     n_in = x2.shape[1]
     out_p = _out_p(n_out)
     cfg = _config("dw", x.device, x.dtype)
-    block_m, max_splits = cfg["BLOCK_M"], cfg.pop("SPLITS")
-    # the rows in a fixed number of splits (a function of the shapes), each summed by one program per column block;
-    # the partial sums are added in a fixed order (deterministic)
-    splits = max(1, min(max_splits, triton.cdiv(n_rows, 8 * block_m)))
-    rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
-    splits = max(1, triton.cdiv(n_rows, rows_per_split))
+    block_m = cfg["BLOCK_M"]
+    # the rows in a fixed number of splits (a function of the shapes; at least 8 row blocks each), each summed by
+    # one program per column block; the partial sums are added in a fixed order (deterministic)
+    max_splits = max(1, min(cfg.pop("SPLITS"), triton.cdiv(n_rows, 8 * block_m)))
+    rows_per_split, splits = _even_splits(n_rows, max_splits, block_m)
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
         upcast_linear_dw_kernel[(triton.cdiv(n_in, cfg["BLOCK_N"]), splits)](

@@ -18,10 +18,8 @@ import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, Op, S, V
-from fuser.kernels.upcast_linear import TRITON_MAX_OUT
+from fuser.kernels.upcast_linear import HALF_DTYPES, TRITON_MAX_OUT
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 _TERM = Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))
 VARIANTS = [

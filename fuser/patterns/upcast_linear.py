@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 
-import fuser.kernels.upcast_linear  # noqa: F401  (registers torch.ops.fuser.upcast_linear)
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, V
+from fuser.kernels.upcast_linear import HALF_DTYPES  # importing it registers torch.ops.fuser.upcast_linear
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V("w"), OneOf(V("b"), None)))]
 

@@ -91,19 +91,6 @@ interpreter = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def triton_path(monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
-    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
-    # every buffer the kernels write starts as NaN, so an element a kernel skips cannot pass for a value
-    monkeypatch.setattr(U, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
-    launched = []
-    for name in ("_forward_triton", "_dx_triton", "_dw_triton"):
-        real = getattr(U, name)
-        monkeypatch.setattr(U, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
-    return launched
-
-
 @interpreter
 @pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu tiles", "gpu tiles"])
 @pytest.mark.parametrize("lead, rank, n_out", [((37,), 8, 40), ((3, 100), 16, 200), ((2, 70), 64, 33)], ids=str)

@@ -94,19 +94,6 @@ interpreter = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def triton_path(monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
-    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
-    # every buffer the kernels write starts as NaN, so an element a kernel skips cannot pass for a value
-    monkeypatch.setattr(module, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
-    launched = []
-    for name in ("_forward_triton", "_dx_triton", "_dw_triton"):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
-    return launched
-
-
 @interpreter
 @pytest.mark.parametrize(
     "lead, n_in, n_out, row_pad",
@@ -242,66 +229,3 @@ def test_gpu_bf16x3_candidate_matches_fp64(n_in, n_out, monkeypatch):
     assert module._config("fwd", torch.device("cuda"), torch.float16)["PRECISION"] == "tf32x3"
     for name, err in errors().items():
         assert err < 2e-6 and err <= 2 * default[name] + 1e-7, f"bf16x3 {name}: {err:.2e} (tf32x3 {default[name]:.2e})"
-
-
-SM90_SCRIPT = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fuser.kernels.upcast_linear as U
-
-def compile_one(fn, signature, constexprs):
-    try:
-        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
-        return "ok"
-    except Exception as error:
-        return f"{type(error).__name__}: {str(error)[:300]}"
-
-def launch(cfg):  # the kernel's constexprs of a CONFIGS entry (launch options and wrapper-only keys dropped)
-    return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages", "SPLIT_K", "SPLITS")}
-
-i32, c = "i32", "constexpr"
-results = {}
-for precision in ("tf32x3", "bf16x3"):
-    for x in ("bf16", "fp16"):
-        if precision == "bf16x3" and x == "fp16":
-            continue
-        fwd = {"x_ptr": f"*{x}", "w_ptr": "*fp32", "y_ptr": "*fp32", "n_rows": i32, "n_in": i32, "n_out": i32,
-               "x_row_stride": i32, "w_stride_out": i32, "w_stride_in": i32, "k_per_split": i32,
-               "BLOCK_M": c, "BLOCK_K": c, "OUT_P": c, "PRECISION": c}
-        for out_p in (16, 64):
-            results[f"fwd {precision} {x} OUT_P={out_p}"] = compile_one(
-                U.upcast_linear_fwd_kernel, fwd, {**launch(U.CONFIGS["fwd"]), "OUT_P": out_p, "PRECISION": precision})
-        dw = {"dy_ptr": "*fp32", "x_ptr": f"*{x}", "partial_ptr": "*fp32", "n_rows": i32, "n_in": i32, "n_out": i32,
-              "x_row_stride": i32, "rows_per_split": i32, "BLOCK_M": c, "BLOCK_N": c, "OUT_P": c, "PRECISION": c}
-        results[f"dw {precision} {x}"] = compile_one(
-            U.upcast_linear_dw_kernel, dw, {**launch(U.CONFIGS["dw"]), "OUT_P": 16, "PRECISION": precision})
-dx = {"dy_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16", "base_ptr": "*bf16", "scale": "fp32", "n_rows": i32,
-      "n_in": i32, "n_out": i32, "w_stride_out": i32, "w_stride_in": i32, "BLOCK_M": c, "BLOCK_N": c, "OUT_P": c,
-      "PRECISION": c, "HAS_BASE": c, "ROUND_TERM": c}
-for has_base, round_term in ((False, False), (True, False), (True, True)):
-    results[f"dx base={has_base} round={round_term}"] = compile_one(
-        U.upcast_linear_dx_kernel, dx, {**launch(U.CONFIGS["dx"]), "OUT_P": 16, "HAS_BASE": has_base,
-                                        "ROUND_TERM": round_term})
-json.dump(results, sys.stdout)
-"""
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_kernels_compile_for_an_h200_without_one():
-    """Every variant of the kernels, at the GPU's launch configurations, compiles to sm_90 code here (Triton
-    ships ptxas): the bf16 paths, which the interpreter cannot run, included. In a subprocess without
-    TRITON_INTERPRET, so the kernels are compiled, not interpreted."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 12, results
-    failed = {k: v for k, v in results.items() if v != "ok"}
-    assert not failed, failed
