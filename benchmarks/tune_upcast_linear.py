@@ -24,19 +24,18 @@ SHAPES = ((8192, 4096, 16), (8192, 14336, 16), (8192, 4096, 64))
 # rank-64 shape weighs in once, so a configuration must also serve wider adapters
 LAYER_CALLS = {(4096, 16): 6, (14336, 16): 1, (4096, 64): 1}
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
-PRECISIONS = ("tf32x3", "bf16x3")  # bf16x3: x as a native bf16 operand, the fp32 one in three bf16 parts
 SPACE = {
     "fwd": [
-        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": 4, "num_stages": 4, "SPLIT_K": sk, "PRECISION": p}
-        for m, k, sk, p in itertools.product((32, 64), (64, 128), (1, 2, 4, 8), PRECISIONS)
+        {"BLOCK_M": m, "BLOCK_K": k, "num_warps": 4, "num_stages": 4, "SPLIT_K": sk}
+        for m, k, sk in itertools.product((32, 64), (64, 128), (1, 2, 4, 8))
     ],
     "dx": [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
         for m, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
     ],
     "dw": [
-        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 3, "SPLITS": sp, "PRECISION": p}
-        for m, n, sp, p in itertools.product((64, 128), (64, 128), (8, 16), PRECISIONS)
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 3, "SPLITS": sp}
+        for m, n, sp in itertools.product((64, 128), (64, 128), (8, 16))
     ],
 }
 

@@ -56,15 +56,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 if HAS_TRITON:
 
     @triton.jit
-    def _split3_bf16(v):
-        # v (fp32) = hi + mid + lo in bf16, to within 2^-24 relative: each remainder is exact in fp32
-        hi = v.to(tl.bfloat16)
-        rest = v - hi.to(tl.float32)
-        mid = rest.to(tl.bfloat16)
-        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-        return hi, mid, lo
-
-    @triton.jit
     def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_in, n_out, x_row_stride, w_stride_out, w_stride_in,
                                  k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_P: tl.constexpr,
                                  PRECISION: tl.constexpr):  # fmt: skip
@@ -83,13 +74,7 @@ if HAS_TRITON:
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             w = tl.load(w_ptr + outs[None, :] * w_stride_out + ks[:, None] * w_stride_in,
                         mask=k_ok[:, None] & (outs[None, :] < n_out), other=0.0)  # fmt: skip
-            if PRECISION == "bf16x3":  # x in bf16 as it is, W in three bf16 parts: exact products
-                w_hi, w_mid, w_lo = _split3_bf16(w)
-                acc = tl.dot(x, w_hi, acc)
-                acc = tl.dot(x, w_mid, acc)
-                acc = tl.dot(x, w_lo, acc)
-            else:
-                acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
+            acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
         y_ptr += split.to(tl.int64) * n_rows * n_out
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc,
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
@@ -138,13 +123,7 @@ if HAS_TRITON:
                            mask=out_ok[:, None] & row_ok[None, :], other=0.0)  # fmt: skip
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            if PRECISION == "bf16x3":  # x in bf16 as it is, dy in three bf16 parts: exact products
-                dy_hi, dy_mid, dy_lo = _split3_bf16(dy_t)
-                acc = tl.dot(dy_hi, x, acc)
-                acc = tl.dot(dy_mid, x, acc)
-                acc = tl.dot(dy_lo, x, acc)
-            else:
-                acc += tl.dot(dy_t, x.to(tl.float32), input_precision=PRECISION)
+            acc += tl.dot(dy_t, x.to(tl.float32), input_precision=PRECISION)
         tl.store(partial_ptr + split.to(tl.int64) * OUT_P * n_in + outs[:, None] * n_in + cols[None, :], acc,
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
 
@@ -174,9 +153,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # Launch configurations, per kernel: tile sizes, warps, pipeline stages, and the dot's input precision. On a GPU the
 # dots run on the tensor cores as "tf32x3" (each fp32 operand split into a TF32 high part and a TF32 remainder,
 # three products summed in fp32: about 2^-21 relative per product, below the fp32 sums' own rounding over the
-# thousands of terms here; x in bf16/fp16 is exact in TF32, so its remainder is zero). "bf16x3" (forward and
-# weight gradient, x in bf16 only) keeps x as a native bf16 operand and splits the fp32 one into three bf16 parts
-# (exact products, fp32 sums): a candidate of the sweep, GPU-only (the interpreter's bf16 is broken). Chosen by
+# thousands of terms here; x in bf16/fp16 is exact in TF32, so its remainder is zero). A "bf16x3" variant (x as a
+# native bf16 operand, the fp32 one split into three bf16 parts) was tried and dropped: on the H200 its forward was
+# 1.4e-5 relative from fp64 against tf32x3's 2.2e-7 (benchmarks/results/LOG.md, 2026-11-30 18:24). Chosen by
 # ``benchmarks/tune_upcast_linear.py`` on the H200. The interpreter (CPU) ignores the precision and the stages.
 CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 1},
@@ -190,11 +169,8 @@ _CPU_CONFIGS = {
 }
 
 
-def _config(kind: str, device: torch.device, x_dtype: torch.dtype | None = None) -> dict:
-    cfg = dict(CONFIGS[kind] if device.type == "cuda" else _CPU_CONFIGS[kind])
-    if cfg["PRECISION"] == "bf16x3" and x_dtype != torch.bfloat16:
-        cfg["PRECISION"] = "tf32x3"  # the bf16 split needs x in bf16 (fp16's range and bits are not bf16's)
-    return cfg
+def _config(kind: str, device: torch.device) -> dict:
+    return dict(CONFIGS[kind] if device.type == "cuda" else _CPU_CONFIGS[kind])
 
 
 def _even_splits(n: int, max_splits: int, block: int) -> tuple[int, int]:
@@ -213,7 +189,7 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     n_rows, n_in = x2.shape
     n_out = weight.shape[0]
-    cfg = _config("fwd", x.device, x.dtype)
+    cfg = _config("fwd", x.device)
     # the inputs in a fixed number of splits (a function of the shapes): more programs for few rows; the
     # splits' partial products are added in a fixed order (deterministic)
     k_per_split, splits = _even_splits(n_in, cfg.pop("SPLIT_K"), cfg["BLOCK_K"])
@@ -257,7 +233,7 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     n_rows, n_out = dy2.shape
     n_in = x2.shape[1]
     out_p = _out_p(n_out)
-    cfg = _config("dw", x.device, x.dtype)
+    cfg = _config("dw", x.device)
     block_m = cfg["BLOCK_M"]
     # the rows in a fixed number of splits (a function of the shapes; at least 8 row blocks each), each summed by
     # one program per column block; the partial sums are added in a fixed order (deterministic)

@@ -160,23 +160,8 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False),
             "lora_sum, QLoRA order": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, True),
             "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),
-            # the sweep's candidate precision (bf16 x only; fp16 falls back to tf32x3)
-            "upcast_linear, bf16x3 candidate": lambda: with_precision(
-                "bf16x3", lambda: (ops["upcast_linear_op"](x, a32, None), U._dw_triton(x32, x))
-            ),
         }
     return scenarios
-
-
-def with_precision(precision: str, run) -> None:
-    """``run()`` with the forward and weight-gradient kernels' CONFIGS set to ``precision``."""
-    saved = {kind: U.CONFIGS[kind] for kind in ("fwd", "dw")}
-    try:
-        for kind in saved:
-            U.CONFIGS[kind] = {**saved[kind], "PRECISION": precision}
-        run()
-    finally:
-        U.CONFIGS.update(saved)
 
 
 def main() -> None:

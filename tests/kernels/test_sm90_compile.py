@@ -42,7 +42,5 @@ def test_every_kernel_compiles_for_an_h200_without_one():
     assert not missing, f"kernels never launched by the scenarios: {sorted(missing)}; scenario errors: {results}"
     in_bf16 = {k.split("(")[0] for k in compiled if "*bf16" in k}
     assert in_bf16 == names, f"not compiled with bf16 tensors: {sorted(names - in_bf16)}"
-    for kernel in ("upcast_linear_fwd_kernel", "upcast_linear_dw_kernel"):  # the sweep's bf16x3 candidate too
-        assert any(k.startswith(kernel) and "'PRECISION': 'bf16x3'" in k for k in compiled), kernel
     for dtype in ("fp16", "fp32"):  # every kernel but the LoRA-adapter ones (fp32 models have no upcast) in each
         assert {k.split("(")[0] for k in compiled if f"*{dtype}" in k} >= names - {"upcast_linear_fwd_kernel"}

@@ -205,27 +205,3 @@ def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
         for name, got, want, tol in (("y", out, ref, 1e-5), ("dW", dw, w64.grad, 1e-5), ("dx", dx, x64.grad, 4e-3)):
             err = ((got - want).norm() / want.norm()).item()
             assert err < tol, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_in, n_out", [(4096, 16), (14336, 16), (4096, 64), (100, 8)], ids=str)
-def test_gpu_bf16x3_candidate_matches_fp64(n_in, n_out, monkeypatch):
-    """The sweep's "bf16x3" candidate (bf16 x as it is, the fp32 operand in three bf16 parts) for the forward and
-    the weight gradient: as accurate as the tf32x3 default against fp64 (within 2×); fp16 falls back to tf32x3."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(8192, n_in, device="cuda", generator=gen).to(torch.bfloat16)
-    w = 0.02 * torch.randn(n_out, n_in, device="cuda", generator=gen)
-    dy = torch.randn(8192, n_out, device="cuda", generator=gen)
-    x64, w64, dy64 = x.double(), w.double(), dy.double()
-    want = {"y": x64 @ w64.t(), "dW": dy64.t() @ x64}
-
-    def errors():
-        got = {"y": module._forward_triton(x, w), "dW": module._dw_triton(dy, x)}
-        return {k: ((got[k].double() - want[k]).norm() / want[k].norm()).item() for k in got}
-
-    default = errors()
-    for kind in ("fwd", "dw"):
-        monkeypatch.setitem(module.CONFIGS, kind, {**module.CONFIGS[kind], "PRECISION": "bf16x3"})
-    assert module._config("fwd", torch.device("cuda"), torch.float16)["PRECISION"] == "tf32x3"
-    for name, err in errors().items():
-        assert err < 2e-6 and err <= 2 * default[name] + 1e-7, f"bf16x3 {name}: {err:.2e} (tf32x3 {default[name]:.2e})"
