@@ -17,7 +17,7 @@ class FuserConfig:
     """What fuser rewrites and what compiles the result.
 
     patterns:        names of the patterns to apply (``None``: every registered pattern that is on by default;
-                     ``fuser.DEFAULT_PATTERNS`` names them, ``lora_sum`` is the one that is not).
+                     ``fuser.DEFAULT_PATTERNS`` names them: every one today).
     inner_compiler:  what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
     keep_logits:     when a training graph returns the logits it computes the loss from, keep them: the
                      ``linear_cross_entropy`` pattern then leaves that loss unfused. ``False`` (default): the loss

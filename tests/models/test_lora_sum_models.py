@@ -1,7 +1,7 @@
-"""Tier 3: peft's fp32 LoRA outputs on a half-precision tiny Llama become ``lora_sum`` (7 per layer) when the
-pattern is named, the gated MLP still fuses (taking the gate and up sums as inputs), and a training step equals
-eager's — bit for bit with that rewrite alone (the same computation), and with every pattern on as close to an
-fp32 reference as eager bf16 is; through the Triton interpreter (fp16) as well."""
+"""Tier 3: peft's fp32 LoRA outputs on a half-precision tiny Llama become ``lora_sum`` (7 per layer) by default, the
+gated MLP still fuses (taking the gate and up sums as inputs), and a training step equals eager's — bit for bit
+with that rewrite alone (the same computation), and with every pattern on as close to an fp32 reference as eager
+bf16 is; through the Triton interpreter (fp16) as well."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ from tests.models.tiny import N_LAYERS, batch, lora_model, lora_step, rel
 
 peft = pytest.importorskip("peft")
 
-WITH_LORA_SUM = (*fuser.DEFAULT_PATTERNS, "lora_sum")
 
-
-def test_off_by_default_and_counted_when_named():
+def test_on_by_default_and_counted():
     model = lora_model()
-    assert "lora_sum" not in fuser.DEFAULT_PATTERNS
-    assert "lora_sum" not in fuser.explain(model, **batch()).counts
-    report = fuser.explain(model, config=fuser.FuserConfig(patterns=WITH_LORA_SUM), **batch())
+    assert "lora_sum" in fuser.DEFAULT_PATTERNS and fuser.FuserConfig().enabled("lora_sum")
+    without = tuple(p for p in fuser.DEFAULT_PATTERNS if p != "lora_sum")
+    assert "lora_sum" not in fuser.explain(model, config=fuser.FuserConfig(patterns=without), **batch()).counts
+    report = fuser.explain(model, **batch())
     assert report.counts.get("lora_sum") == 7 * N_LAYERS, str(report)
     # the gated MLP takes the gate and up sums as plain inputs, and every adapter's input cast still fuses
     assert report.counts.get("swiglu") == N_LAYERS and report.counts.get("upcast_linear") == 7 * N_LAYERS
@@ -55,8 +54,7 @@ def close_to_fp32_as_eager(dtype, config):
 
 
 def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():
-    close_to_fp32_as_eager(torch.bfloat16, fuser.FuserConfig(patterns=WITH_LORA_SUM, strict=True,
-                                                             inner_compiler="aot_eager"))  # fmt: skip
+    close_to_fp32_as_eager(torch.bfloat16, fuser.FuserConfig(strict=True, inner_compiler="aot_eager"))
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter")
@@ -71,6 +69,5 @@ def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monk
     real = U._dx_triton
     # lora_sum's forward is the dx kernel with a base (6 arguments); upcast_linear's backward calls it with 3
     monkeypatch.setattr(U, "_dx_triton", lambda *a, **kw: launched.append(len(a)) or real(*a, **kw))
-    close_to_fp32_as_eager(torch.float16, fuser.FuserConfig(patterns=WITH_LORA_SUM, strict=True,
-                                                            inner_compiler="aot_eager"))  # fmt: skip
+    close_to_fp32_as_eager(torch.float16, fuser.FuserConfig(strict=True, inner_compiler="aot_eager"))
     assert launched.count(6) == 7 * N_LAYERS, launched  # lora_sum's forward kernel ran for every adapter

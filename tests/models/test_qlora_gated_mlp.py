@@ -195,10 +195,10 @@ def test_qlora_llama_dynamic_shape_recompile_still_fuses(bnb):
 
 def test_qlora_bf16_lora_sums_take_the_bitsandbytes_order_bit_for_bit(bnb):
     """A bf16 QLoRA model: peft's bitsandbytes layers cast the scaled LoRA term to bf16 before adding it, and
-    ``lora_sum`` (named) matches each as its "peft bitsandbytes" variant; alone, the step is eager's bit for bit."""
+    ``lora_sum`` (on by default) matches each as its "peft bitsandbytes" variant; alone, the step is eager's bit
+    for bit."""
     model = build_qlora_llama(bnb, torch.bfloat16)
-    named = fuser.FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "lora_sum"))
-    report = fuser.explain(model, config=named, **batch())
+    report = fuser.explain(model, **batch())
     assert report.counts.get("lora_sum") == 7 * N_LAYERS and report.counts.get("swiglu") == N_LAYERS, str(report)
     assert {m.variant for m in report.matches if m.pattern == "lora_sum"} == {"peft bitsandbytes"}
     reference = copy.deepcopy(model)

@@ -1,5 +1,5 @@
 """Tier 1: peft's ``(base + lora_B(a) · s).to(base dtype)`` with an fp32 adapter under a half-precision base
-becomes ``fuser::lora_sum`` when the pattern is named (it is off by default); what it cannot take, it declines
+becomes ``fuser::lora_sum`` (on by default); what it cannot take, it declines
 with the reason in ``fuser.explain``."""
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def test_lora_b_sum_is_matched_and_trains_the_same(dtype, gen):
         assert torch.equal(t.grad, r), f"d{name}"
 
 
-def test_off_by_default():
-    assert "lora_sum" not in fuser.DEFAULT_PATTERNS and not fuser.FuserConfig().enabled("lora_sum")
+def test_on_by_default():
+    assert "lora_sum" in fuser.DEFAULT_PATTERNS and fuser.FuserConfig().enabled("lora_sum")
     x, w, a, b = inputs(torch.Generator().manual_seed(0))
-    assert "lora_sum" not in fuser.explain(lora_linear, x, w, a, b).counts
+    assert fuser.explain(lora_linear, x, w, a, b).counts.get("lora_sum") == 1
 
 
 @pytest.mark.parametrize(
