@@ -163,7 +163,7 @@ def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
 
-def bench_shapes(impls, tflops, lines, frozen=False):
+def bench_shapes(impls, tflops, lines, frozen=False, budgets=()):
     for shape in SHAPES[1:2] if frozen else SHAPES:  # frozen: the Llama-3-8B LoRA shape only (compiles are slow)
         tokens, hidden, vocab = shape
         gen = torch.Generator(device="cuda").manual_seed(tokens + hidden + vocab)
@@ -192,6 +192,9 @@ def bench_shapes(impls, tflops, lines, frozen=False):
                 f"{fmt(e[1], '.1e')} | {fmt(e[2], '.1e')} | {fmt(ratio, '.2f')} | {r.get('note', '')} |"
             )
             print(lines[-1], flush=True)
+        for budget_mib in () if frozen or "fuser" not in impls else budgets:
+            lines.append(with_budget(budget_mib, impls["fuser"], h, w, labels, ref, floor, inductor_ms))
+            print(lines[-1], flush=True)
         if not frozen and "fuser (fp32 dW acc)" in impls:
             lines.append(
                 f"| {tokens}×{hidden}×{vocab} | (fp32 dW accumulator of 'fuser (fp32 dW acc)', in its extra above) | "
@@ -199,6 +202,27 @@ def bench_shapes(impls, tflops, lines, frozen=False):
             )
         del h, w, labels, ref
         torch.cuda.empty_cache()
+
+
+def with_budget(budget_mib, fn, h, w, labels, ref, floor, inductor_ms) -> str:
+    """One table row: fuser with its chunk budget (``LOGITS_BUDGET_BYTES``) set to ``budget_mib``."""
+    from fuser.kernels import linear_cross_entropy as K
+
+    default = K.LOGITS_BUDGET_BYTES
+    K.LOGITS_BUDGET_BYTES = budget_mib * MIB
+    try:
+        tokens, vocab = h.shape[0], w.shape[0]
+        rows = K.chunk_rows(tokens, vocab, h.element_size())
+        r = bench_impl("fuser", fn, h, w, labels, ref)
+    finally:
+        K.LOGITS_BUDGET_BYTES = default
+    e = r["errors"] or (None, None, None)
+    ratio = None if r["ms"] is None or inductor_ms is None else r["ms"] / inductor_ms
+    return (
+        f"| {tokens}×{h.shape[1]}×{vocab} | fuser (budget {budget_mib} MiB: {-(-tokens // rows)} chunks of {rows}) | "
+        f"{fmt(r['ms'], '.1f')} | {fmt(floor, '.1f')} | {fmt(None if r['extra'] is None else r['extra'] / MIB, '.0f')} "
+        f"| {fmt(e[0], '.1e')} | {fmt(e[1], '.1e')} | {fmt(e[2], '.1e')} | {fmt(ratio, '.2f')} | {r.get('note', '')} |"
+    )
 
 
 def sweep_budget(impls, lines):
@@ -303,7 +327,7 @@ def run(args) -> str:
                 f.write("\n".join(lines) + "\n")
 
     if not args.skip_shapes:
-        bench_shapes(impls, tflops, lines)
+        bench_shapes(impls, tflops, lines, budgets=args.budgets)
         save()
     if args.only_shapes:
         return "\n".join(lines) + "\n"
@@ -340,7 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-shapes", action="store_true", help="only the tiny-model training step")
     parser.add_argument("--only-shapes", action="store_true", help="only the first table (the three shapes)")
     parser.add_argument("--impls", default=None, help="comma-separated subset, e.g. 'inductor,fuser'")
+    parser.add_argument(
+        "--budgets", default="", help="comma-separated MiB: fuser again at each shape with this chunk budget"
+    )
     args = parser.parse_args(argv)
+    args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if not torch.cuda.is_available():
         sys.exit("bench_linear_cross_entropy: needs a CUDA GPU")
     print(run(args))

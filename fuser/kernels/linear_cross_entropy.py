@@ -44,7 +44,11 @@ from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_tri
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
-LOGITS_BUDGET_BYTES = 224 << 20
+# (measured 250–251 MiB at the issue's three shapes). 252 rather than 224 MiB: 16 / 8 / 19 chunks instead of
+# 18 / 9 / 22 at 8192×256000 / 8192×128256 / 16384×151936, each chunk one read and write of the [V, H] weight
+# gradient fewer: 55.3 → 54.9, 43.5 → 41.3, 103.5 → 100.5 ms on the H200
+# (benchmarks/results/linear_cross_entropy_budget_h200_2026-11-30.md)
+LOGITS_BUDGET_BYTES = 252 << 20
 _ACCUMULATORS = ("fp32", "input")
 
 
@@ -52,9 +56,10 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None
     """Rows per chunk: the fewest chunks whose logits each fit ``budget`` bytes (default ``LOGITS_BUDGET_BYTES``),
     split as evenly as a multiple of 8 rows allows; never below 64 rows (one tensor-core tile), even over budget.
 
-    Even, not "as many as fit, then the rest": every chunk costs one read and write of the whole ``[V, H]`` weight
-    gradient, so a small tail chunk pays that pass for a sliver of work (8192 rows at V = 256000: 18 chunks of 456
-    instead of 18 of 448 and one of 128). Multiples of 8 keep the matmuls' K (the weight gradient's) 16-byte aligned.
+    Even, not "as many as fit, then the rest" (the same number of chunks): every chunk costs one read and write of the
+    whole ``[V, H]`` weight gradient, so a small tail chunk would pay that pass for a sliver of rows, at low matmul
+    efficiency (8200 rows at V = 256000: 16 chunks of 488 and one of 392, not 16 of 512 and one of 8). Multiples of
+    8 keep the matmuls' K (the weight gradient's) 16-byte aligned.
     """
     budget = LOGITS_BUDGET_BYTES if budget is None else budget
     most = max(64, budget // max(1, vocab * itemsize) // 8 * 8)

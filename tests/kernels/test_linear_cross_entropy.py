@@ -620,11 +620,11 @@ def test_chunk_rows(budget):
 
 
 def test_chunk_rows_at_real_shapes():
-    assert lce_module.LOGITS_BUDGET_BYTES == 224 << 20  # the figures below are for this budget
-    assert chunk_rows(8192, 128256, 2) == 912  # Llama-3: 9 chunks; 912 · 128256 · 2 B = 223.1 MiB ≤ 224 MiB
-    assert chunk_rows(8192, 256000, 2) == 456  # Gemma: 18 chunks (448 would need 19); 222.7 MiB
-    assert chunk_rows(16384, 151936, 2) == 752  # Qwen: 22 chunks (at most 768 fit: 16384 / 768 → 22)
-    assert chunk_rows(8192, 32000, 2) == 2736  # 3 chunks
+    assert lce_module.LOGITS_BUDGET_BYTES == 252 << 20  # the figures below are for this budget
+    assert chunk_rows(8192, 128256, 2) == 1024  # Llama-3: 8 chunks; 1024 · 128256 · 2 B = 250.5 MiB ≤ 252 MiB
+    assert chunk_rows(8192, 256000, 2) == 512  # Gemma: 16 chunks; 250.0 MiB
+    assert chunk_rows(16384, 151936, 2) == 864  # Qwen: 19 chunks (at most 864 fit: 16384 / 864 → 19); 250.4 MiB
+    assert chunk_rows(8192, 32000, 2) == 4096  # 2 even chunks (at most 4128 fit)
     assert chunk_rows(100, 32000, 2) == 100
     assert chunk_rows(4096, 4_000_000, 4) == 64  # never below one tensor-core tile, even over the budget
     assert split(70, 64) == [40, 30] and split(130, 64) == [48, 48, 34] and split(33, 64) == [33]
