@@ -12,7 +12,8 @@ labels uniform with 5% set to -100):
   gradients None), minus the returned gradients dh and dW in bf16: what the implementation needs beyond its
   inputs and outputs. fuser's fp32 weight-gradient accumulator (V·H·4 bytes, alive during the forward) is
   shown on its own row: ``fuser`` (the default) accumulates dW in the weight's dtype, ``fuser (fp32 dW acc)`` in
-  fp32;
+  fp32; ``fuser (Triton dW)`` accumulates it with ``FUSER_LCE_DW_KERNEL=triton`` (the running sum's tile read
+  before the matmul, not after) instead of cuBLAS's ``addmm_``;
 - floor: 6·T·H·V FLOPs at the bf16 matmul rate measured in the same run (a 8192³ ``torch.mm``).
 
 Second section: one training step (forward + backward) of a tiny Llama with a real vocabulary (128256, hidden
@@ -70,15 +71,17 @@ def make_impls(only: list[str] | None = None) -> dict:
     except ImportError as e:
         print(f"cut-cross-entropy not available: {e}", flush=True)
 
-    def fuser_with(acc, streams="1"):
+    def fuser_with(acc, streams="1", dw_kernel="cublas"):
         def run(h, w, labels):
             os.environ["FUSER_LCE_DW_ACCUMULATOR"] = acc
             os.environ["FUSER_LCE_STREAMS"] = streams
+            os.environ["FUSER_LCE_DW_KERNEL"] = dw_kernel
             return fuser.linear_cross_entropy(h, w, labels)
 
         return run
 
     impls["fuser"] = fuser_with("input")
+    impls["fuser (Triton dW)"] = fuser_with("input", dw_kernel="triton")
     impls["fuser (one stream)"] = fuser_with("input", streams="0")
     impls["fuser (fp32 dW acc)"] = fuser_with("fp32")
     if only:

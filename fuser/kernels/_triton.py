@@ -22,6 +22,9 @@ except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """What the reference paths compute in: fp32, or fp64 for fp64 inputs (the test oracle)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -27,7 +27,9 @@ The weight gradient is accumulated over the chunks in the weight's dtype (``FUSE
 default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``=fp32``: one extra ``[V, H]``
 fp32 buffer during the forward). Measured on the H200 at 8192×2304×256000 (bf16, 26 chunks), the bf16 running
 sum's dW error against fp32 was 2.3e-3 vs 2.2e-3 with the fp32 accumulator, which cost 20 ms more
-(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``).
+(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``). ``FUSER_LCE_DW_KERNEL=triton`` adds each chunk's
+share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as cuBLAS's
+``addmm_`` does (half-precision accumulator only; off until measured against cuBLAS on a GPU).
 
 Labels outside ``[0, V)`` that are not ``ignore_index`` give a NaN loss for their row (PyTorch raises; an op
 that must not synchronise cannot).
@@ -40,7 +42,7 @@ import os
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, compute_dtype, tl, triton, use_triton
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
@@ -228,6 +230,79 @@ if HAS_TRITON:
             x = tl.load(x_ptr + offs, mask=mask)
             tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def lce_dweight_kernel(
+        g_ptr,
+        h_ptr,
+        dw_ptr,
+        n_rows,
+        vocab,
+        hidden,
+        g_row_stride,
+        h_row_stride,
+        FIRST: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        GROUP_V: tl.constexpr,
+    ):
+        # dw[v, j] (=, FIRST | +=) Σ_r g[r, v] · h[r, j] in fp32, rounded once to dw's dtype (dw [V, H] contiguous).
+        # The running sum's tile is loaded before the reduction over the chunk's rows, so its read overlaps the
+        # matmul instead of following it (cuBLAS's addmm_ reads it in the epilogue: 0.28 ms more per chunk than a
+        # plain mm at 320 rows × 256000 × 2304 on the H200)
+        pid = tl.program_id(0)
+        n_v = tl.cdiv(vocab, BLOCK_V)
+        n_h = tl.cdiv(hidden, BLOCK_H)
+        per_group = GROUP_V * n_h  # GROUP_V vocabulary tiles in a row share h's column tiles in L2
+        first_v = (pid // per_group) * GROUP_V
+        group_size = tl.minimum(n_v - first_v, GROUP_V)
+        pid_v = first_v + (pid % per_group) % group_size
+        pid_h = (pid % per_group) // group_size
+        vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        tile_ok = (vs < vocab)[:, None] & (hs < hidden)[None, :]
+        dw_ptrs = dw_ptr + vs[:, None].to(tl.int64) * hidden + hs[None, :]
+        if not FIRST:
+            old = tl.load(dw_ptrs, mask=tile_ok, other=0.0)
+        acc = tl.zeros((BLOCK_V, BLOCK_H), tl.float32)
+        for r0 in range(0, n_rows, BLOCK_R):
+            rs = r0 + tl.arange(0, BLOCK_R)
+            r_ok = rs < n_rows
+            g_t = tl.load(g_ptr + rs[None, :].to(tl.int64) * g_row_stride + vs[:, None],
+                          mask=(vs < vocab)[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+            h = tl.load(h_ptr + rs[:, None].to(tl.int64) * h_row_stride + hs[None, :],
+                        mask=r_ok[:, None] & (hs < hidden)[None, :], other=0.0)  # fmt: skip
+            acc = tl.dot(g_t, h, acc)
+        if not FIRST:
+            acc += old.to(tl.float32)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
+
+
+# the weight-gradient kernel's tiles (GPU; the interpreter takes small ones); not yet measured against cuBLAS
+DWEIGHT_CONFIG = {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3}
+_CPU_DWEIGHT_CONFIG = {"BLOCK_V": 16, "BLOCK_H": 16, "BLOCK_R": 16, "GROUP_V": 2}
+
+
+def dweight_kernel_enabled(dw_acc: torch.Tensor, g_t: torch.Tensor) -> bool:
+    """``FUSER_LCE_DW_KERNEL=triton``: the weight gradient's running sum in half precision goes through
+    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``cublas``, the default, until measured on a GPU)."""
+    choice = os.environ.get("FUSER_LCE_DW_KERNEL", "cublas")
+    if choice not in ("cublas", "triton"):
+        raise ValueError(f"fuser: FUSER_LCE_DW_KERNEL must be 'cublas' or 'triton', got {choice!r}")
+    return choice == "triton" and dw_acc.dtype == g_t.dtype and g_t.dtype in HALF_DTYPES and use_triton(g_t)
+
+
+def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
+    """dw_acc (=, first | +=) g_t @ h_c, with g_t the transposed view of a chunk's [rows, V] gradient."""
+    g = g_t.t()
+    vocab, hidden = dw_acc.shape
+    n_rows = g.shape[0]
+    if g.stride(1) != 1 or h_c.stride(1) != 1 or not dw_acc.is_contiguous():
+        raise ValueError("fuser: lce_dweight_kernel needs unit-stride rows of g, h and a contiguous dw")
+    cfg = DWEIGHT_CONFIG if dw_acc.is_cuda else _CPU_DWEIGHT_CONFIG
+    grid = (triton.cdiv(vocab, cfg["BLOCK_V"]) * triton.cdiv(hidden, cfg["BLOCK_H"]),)
+    lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
+
 
 def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad) -> None:
     n_rows, n_cols = logits.shape
@@ -284,6 +359,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def _accumulate_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
     """dw_acc (=, first chunk | +=) g_t @ h_c, in dw_acc's dtype (the weight's or fp32)."""
+    if dweight_kernel_enabled(dw_acc, g_t):
+        _launch_dweight(dw_acc, g_t, h_c, first)
+        return
     if dw_acc.dtype == g_t.dtype:
         if first:
             torch.mm(g_t, h_c, out=dw_acc)

@@ -31,10 +31,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fuser.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, tl, triton, use_triton
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
-HALF_DTYPES = (torch.float16, torch.bfloat16)  # the inputs the op saves instead of their fp32 copies
 _alloc = torch.empty  # the Triton path's output buffers (tests fill them with NaN first)
 
 

@@ -3,7 +3,10 @@ on a machine without a GPU: fp32, fp16 and bf16 (the Triton interpreter cannot r
 
 How: each op's Python implementation runs on fake CUDA tensors (``FakeTensorMode``), so every wrapper takes its
 GPU path and picks its GPU launch configuration; each ``kernel[grid](...)`` is intercepted and compiled with
-``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton ships ptxas) instead of launched. Three shims stand
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton ships ptxas) instead of launched, specialized as
+Triton's launcher specializes (16-byte-aligned tensors and ints divisible by 16 get ``tt.divisibility``, ints equal
+to 1 become constexprs): without that, loads neither vectorise nor pipeline, and the shared memory reported is one
+stage's, not a launch's (a 3-stage 128×128×64 bf16 matmul: 32 KiB unspecialized, 96 KiB as launched). Three shims stand
 in for what a CPU-only torch lacks: tensor indexing (Python's ``t[...]`` takes a CUDA device guard) goes through
 the equivalent aten ops, the SM count is the H200's (132), and lm_head+CE runs without its side stream. Autograd
 cannot run on fake CUDA tensors, so the backward ops are called directly. Run as a script without
@@ -25,7 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from torch._library.custom_ops import CustomOpDef  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -45,35 +49,47 @@ DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 results: dict[str, str] = {}
 
 
-def _type(value) -> str:
+def _specialize(param, value) -> tuple[str, str]:
+    """(type, attribute) as Triton's launcher specializes an argument: a tensor whose address is 16-byte aligned
+    (here: its storage offset; fake storages start at 0) and an int divisible by 16 get ``tt.divisibility`` 16 —
+    which is what lets loads vectorise and pipeline (cp.async), so shared memory and registers match a real
+    launch — and an int equal to 1 becomes a constexpr."""
     if isinstance(value, torch.Tensor):
-        return "*" + DTYPES[value.dtype]
+        aligned = value.storage_offset() * value.element_size() % 16 == 0
+        return "*" + DTYPES[value.dtype], "D" if aligned and not param.do_not_specialize_on_alignment else ""
     if isinstance(value, bool):
-        return "i1"
+        return "i1", ""
     if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
+        if param.do_not_specialize:
+            return ("i32" if -(2**31) <= value < 2**31 else "i64"), ""
+        kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+        return kind, attr or ""
     if isinstance(value, float):
-        return "fp32"
+        return "fp32", ""
     raise TypeError(f"argument {value!r}")
 
 
 def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
     bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in OPTIONS})
     bound.apply_defaults()
-    signature, constexprs = {}, {}
-    for param in self.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(self.params):
         value = bound.arguments[param.name]
-        if param.is_constexpr or value is None:
+        kind, attr = ("constexpr", "") if param.is_constexpr or value is None else _specialize(param, value)
+        if kind == "constexpr":
             signature[param.name], constexprs[param.name] = "constexpr", value
         else:
-            signature[param.name] = _type(value)
+            signature[param.name] = kind
+            if attr == "D":
+                attrs[(index,)] = [["tt.divisibility", 16]]
     options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
-    types = ", ".join(f"{k}={v}" for k, v in signature.items() if v != "constexpr")
+    divisible = {self.params[i].name for (i,) in attrs}
+    types = ", ".join(f"{k}={v}{'/16' * (k in divisible)}" for k, v in signature.items() if v != "constexpr")
     key = f"{self.fn.__name__}({types}) {dict(constexprs, **options)}"
     if key not in results:
         try:
-            kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=GPUTarget(
-                "cuda", 90, 32), options=options)  # fmt: skip
+            kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
             shared = kernel.metadata.shared
             # what an H200 block may use (227 KiB opt-in); more fails only at launch, with OutOfResources
             results[key] = "ok" if shared <= H200_SHARED_PER_BLOCK else f"OutOfResources: {shared} B shared memory"
@@ -144,6 +160,9 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         "linear_cross_entropy, softcap, scale": lambda: ops["linear_cross_entropy_op"](
             h, vocab_w, None, labels, -100, "sum", 0.5, 30.0, True, True, False
         ),
+        "linear_cross_entropy, Triton dW kernel, two chunks": lambda: lce_with_triton_dweight(
+            ops["linear_cross_entropy_op"], h, vocab_w, labels
+        ),
         "linear_cross_entropy backward's scale": lambda: L._scale_inplace(
             t(rows * 2, hidden, dtype=dt), t((), dtype=torch.float32)
         ),
@@ -162,6 +181,18 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),
         }
     return scenarios
+
+
+def lce_with_triton_dweight(op, h, w, labels) -> None:
+    """lm_head+CE with ``FUSER_LCE_DW_KERNEL=triton`` and chunks of half the rows: both kernel variants."""
+    saved = L.LOGITS_BUDGET_BYTES
+    os.environ["FUSER_LCE_DW_KERNEL"] = "triton"
+    L.LOGITS_BUDGET_BYTES = h.shape[0] // 2 * w.shape[0] * h.element_size()
+    try:
+        op(h, w, None, labels, -100, "mean", 1.0, 0.0, True, True, False)
+    finally:
+        L.LOGITS_BUDGET_BYTES = saved
+        del os.environ["FUSER_LCE_DW_KERNEL"]
 
 
 def main() -> None:

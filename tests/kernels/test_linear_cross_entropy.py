@@ -488,6 +488,76 @@ def test_dweight_accumulator_choice(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The weight gradient's Triton kernel (FUSER_LCE_DW_KERNEL=triton; cuBLAS's addmm_ by default)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize("n_rows, vocab, hidden", [(37, 50, 24), (1, 33, 17), (64, 16, 16), (100, 70, 40)], ids=str)
+@pytest.mark.parametrize("first", [True, False], ids=["first chunk", "later chunk"])
+def test_dweight_kernel_matches_fp64(n_rows, vocab, hidden, first, gen, monkeypatch):
+    """dw (=, first | +=) gᵀ·h for a chunk's gradient g [rows, V] (a slice of a wider buffer, as the op's) and its
+    hidden rows h: fp32 sums rounded once to fp16, so each element is within an fp16 rounding (and fp32 sums'
+    noise) of the fp64 result; a first chunk writes the NaN-filled accumulator without reading it."""
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    buffer = randn((n_rows + 5, vocab), gen, torch.float16)
+    g = buffer[:n_rows]
+    h = randn((n_rows + 3, hidden), gen, torch.float16)[2 : 2 + n_rows]
+    old = randn((vocab, hidden), gen, torch.float16)
+    dw = torch.full_like(old, float("nan")) if first else old.clone()
+    lce_module._launch_dweight(dw, g.t(), h, first)
+    want = g.double().t() @ h.double() + (0 if first else old.double())
+    scale = g.double().abs().t() @ h.double().abs() + (0 if first else old.double().abs())
+    bound = want.abs() * U16 + scale * n_rows * 2.0**-24 + 2.0**-24  # one fp16 rounding; fp32 sums; subnormals
+    err = (dw.double() - want).abs()
+    assert torch.isfinite(dw).all() and (err <= bound).all(), f"worst excess {(err - bound).max().item():.3e}"
+    # the cuBLAS path's arithmetic (fp32 sum, one rounding) gives the same fp16 values up to one ulp
+    cublas = (g.float().t() @ h.float() + (0 if first else old.float())).half()
+    assert ((dw.float() - cublas.float()).abs() <= cublas.float().abs() * 2 * U16 + 2.0**-24).all()
+
+
+def test_dweight_kernel_choice(monkeypatch):
+    g16, w16, w32 = torch.zeros(4, 2, dtype=torch.float16), torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 2)
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    monkeypatch.delenv("FUSER_LCE_DW_KERNEL", raising=False)
+    assert not lce_module.dweight_kernel_enabled(w16, g16.t())  # default: cuBLAS
+    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
+    assert lce_module.dweight_kernel_enabled(w16, g16.t()) == (HAS_TRITON and interpreting())
+    assert not lce_module.dweight_kernel_enabled(w32, g16.t())  # an fp32 accumulator stays on cuBLAS
+    assert not lce_module.dweight_kernel_enabled(w32, g16.float().t())  # fp32 weights too
+    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="FUSER_LCE_DW_KERNEL must be"):
+        lce_module.dweight_kernel_enabled(w16, g16.t())
+
+
+@interpreter
+def test_dweight_kernel_in_the_op(gen, monkeypatch):
+    """Through the op (fp16, three chunks, interpreter): the kernel runs once per chunk, writing on the first and
+    adding on the others, and the loss and gradients equal the cuBLAS path's to within an fp16 ulp per chunk."""
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    small_chunks(monkeypatch)
+    n_rows = 130  # chunks of 48, 48, 34
+    h, w, _ = make_inputs((n_rows,), 64, 257, torch.float16, gen)
+    labels = make_labels(n_rows, 257, gen, n_ignored=12)
+    monkeypatch.delenv("FUSER_LCE_DW_KERNEL", raising=False)
+    ref_loss, ref_grads = run_fuser(h, w, None, labels, (True, True, False))
+    launched = []
+    real = lce_module._launch_dweight
+    monkeypatch.setattr(
+        lce_module, "_launch_dweight", lambda dw, g_t, h_c, first: launched.append(first) or real(dw, g_t, h_c, first)
+    )
+    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
+    loss, grads = run_fuser(h, w, None, labels, (True, True, False))
+    assert launched == [True, False, False]
+    assert torch.equal(loss, ref_loss) and torch.equal(grads[0], ref_grads[0])  # the rest of the op is unchanged
+    dw, ref_dw = grads[1].float(), ref_grads[1].float()
+    assert ((dw - ref_dw).abs() <= ref_dw.abs() * 3 * 2 * U16 + 3 * 2.0**-24).all()
+    assert rel_err(grads[1], fp64_reference(h, w, None, labels)[1][1]) < fp16_tolerance(
+        z_rms(h, w, None), n_rows, accumulator_roundings=3
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Ignored rows, out-of-range labels, empty input
 # ---------------------------------------------------------------------------------------------------------
 
@@ -787,3 +857,33 @@ def test_gpu_is_deterministic(dtype, accumulator, gen, monkeypatch):
     assert torch.equal(first[0], second[0]), "the loss differs between two identical runs"
     for name, a, b in zip(("hidden.grad", "weight.grad"), first[1][:2], second[1][:2], strict=True):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", list(GPU_SHAPES.values()), ids=list(GPU_SHAPES))
+def test_gpu_triton_dweight_kernel(shape, dtype, gen, no_tf32, monkeypatch):
+    """``FUSER_LCE_DW_KERNEL=triton`` at real shapes, over several chunks: the kernel ran on every chunk, dW is as
+    close to the fp32 reference as GPU_TOL asks and within rounding of the cuBLAS path's, and the loss and
+    dhidden (which the kernel does not touch) are the cuBLAS path's bit for bit."""
+    monkeypatch.setattr(lce_module, "LOGITS_BUDGET_BYTES", shape[0] // 4 * shape[2] * 2)  # 4 chunks
+    h, w, labels = gpu_inputs(shape, dtype, gen)
+    kw = {"reduction": "sum" if dtype == torch.float16 else "mean"}  # fp16's range, as in the test above
+    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "cublas")
+    loss_ref, (dh_ref, dw_ref, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    firsts = []
+    real = lce_module._launch_dweight
+    monkeypatch.setattr(
+        lce_module, "_launch_dweight", lambda dw, g, x, first: firsts.append(first) or real(dw, g, x, first)
+    )
+    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
+    loss, (dh, dw, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    assert firsts == [True, False, False, False]
+    assert torch.equal(loss, loss_ref) and torch.equal(dh, dh_ref)
+    _, ref_grads = run_model(h, w, None, labels, torch.float32, torch.float32, (True, True, False), **kw)
+    err = assert_close("weight.grad", dw, ref_grads[1], GPU_TOL[dtype][2])
+    # both sum in fp32 and round the running sum once per chunk (4 roundings, random-signed: ~√4·u/√3 norm-wise)
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    diff = rel_err(dw, dw_ref)
+    print(f"\n{shape} {dtype}: Triton dW {err:.2e} vs fp32; {diff:.2e} from cuBLAS's ({diff / u:.2f} u)")
+    assert diff <= 2 * u, f"Triton dW is {diff / u:.2f} u from cuBLAS's"

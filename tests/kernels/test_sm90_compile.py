@@ -23,7 +23,7 @@ def kernel_names() -> set[str]:
     names: list[str] = []
     for path in sorted((ROOT / "fuser" / "kernels").glob("*.py")):
         names += re.findall(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def\s+(\w+)", path.read_text())
-    return {n for n in names if not n.startswith("_")}  # helpers (``_split3_bf16``) are inlined into kernels
+    return {n for n in names if not n.startswith("_")}  # helpers (``_transform``) are inlined into kernels
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -42,5 +42,10 @@ def test_every_kernel_compiles_for_an_h200_without_one():
     assert not missing, f"kernels never launched by the scenarios: {sorted(missing)}; scenario errors: {results}"
     in_bf16 = {k.split("(")[0] for k in compiled if "*bf16" in k}
     assert in_bf16 == names, f"not compiled with bf16 tensors: {sorted(names - in_bf16)}"
-    for dtype in ("fp16", "fp32"):  # every kernel but the LoRA-adapter ones (fp32 models have no upcast) in each
-        assert {k.split("(")[0] for k in compiled if f"*{dtype}" in k} >= names - {"upcast_linear_fwd_kernel"}
+    # every kernel in fp16 and fp32 too, but the half-precision-only ones: the LoRA adapter's input cast (fp32
+    # models have no upcast) and lm_head+CE's weight-gradient kernel (an fp32 weight stays on cuBLAS)
+    for dtype in ("fp16", "fp32"):
+        half_only = {"upcast_linear_fwd_kernel"} | ({"lce_dweight_kernel"} if dtype == "fp32" else set())
+        assert {k.split("(")[0] for k in compiled if f"*{dtype}" in k} >= names - half_only
+    for first in (True, False):  # the weight-gradient kernel's first chunk (write) and later ones (read and add)
+        assert any(k.startswith("lce_dweight_kernel") and f"'FIRST': {first}" in k for k in compiled), first
