@@ -3,9 +3,10 @@ and a torch.profiler kernel table of the whole op. A tool for choosing the imple
 
 Per shape (bf16, rows per chunk as ``chunk_rows`` gives): the logits matmul, the Triton loss+gradient kernel
 (launch configurations swept), the dhidden matmul (plain, and split over the vocabulary into S batched matmuls
-with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32 and into a fresh buffer.
+with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32 and into a fresh buffer, and
+fuser's Triton dweight kernel (``FUSER_LCE_DW_KERNEL=triton``) at the tile configurations of ``DW_CONFIGS``.
 
-    python benchmarks/profile_linear_cross_entropy.py [--out FILE]
+    python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
 """
 
 from __future__ import annotations
@@ -18,14 +19,33 @@ from triton.testing import do_bench
 
 from fuser.kernels import linear_cross_entropy as K
 
-SHAPES = ((8192, 2304, 256000), (8192, 4096, 128256))
+SHAPES = ((8192, 2304, 256000), (8192, 4096, 128256), (16384, 4096, 151936))
+DW_CONFIGS = [
+    dict(K.DWEIGHT_CONFIG),
+    {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 4},
+]
 
 
 def ms(fn) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def chunk_parts(tokens, hidden, vocab, out):
+def dweight_kernel(acc16, logits, h, cfg) -> float:
+    """ms of one chunk's share added by fuser's Triton dweight kernel at launch configuration ``cfg``."""
+    saved = dict(K.DWEIGHT_CONFIG)
+    K.DWEIGHT_CONFIG.clear()
+    K.DWEIGHT_CONFIG.update(cfg)
+    try:
+        return ms(lambda: K._launch_dweight(acc16, logits.t(), h, False))
+    finally:
+        K.DWEIGHT_CONFIG.clear()
+        K.DWEIGHT_CONFIG.update(saved)
+
+
+def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = K.chunk_rows(tokens, vocab, 2)
     h = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -46,8 +66,12 @@ def chunk_parts(tokens, hidden, vocab, out):
         res.append(f"| {tokens}×{hidden}×{vocab} | {rows} | {name} | {t:.3f} | {t * n_chunks:.1f} | {rate} |")
         print(res[-1], flush=True)
 
-    add("logits mm", ms(lambda: torch.mm(h, w.t(), out=logits)), flop)
     torch.mm(h, w.t(), out=logits)
+    if only_dweight:
+        dweight_rows(add, acc16, logits, h, flop)
+        out += res
+        return
+    add("logits mm", ms(lambda: torch.mm(h, w.t(), out=logits)), flop)
     base = logits.clone()
     for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
 
@@ -84,7 +108,19 @@ def chunk_parts(tokens, hidden, vocab, out):
         res.append(f"| fp32 addmm failed: {type(e).__name__}: {str(e)[:120]} |")
     add("dW^T addmm_ (h^T @ G into [H, V] bf16)",
         ms(lambda: acc16.view(hidden, vocab).addmm_(h.t(), logits)), flop)  # fmt: skip
+    dweight_rows(add, acc16, logits, h, flop)
     out += res
+
+
+def dweight_rows(add, acc16, logits, h, flop):
+    add("dW addmm_ into bf16 acc (cuBLAS, the default)", ms(lambda: acc16.addmm_(logits.t(), h)), flop)
+    add("dW mm into fresh bf16 (no read of the sum)", ms(lambda: torch.mm(logits.t(), h)), flop)
+    for cfg in DW_CONFIGS:
+        name = "dW Triton kernel " + " ".join(f"{k}={v}" for k, v in cfg.items())
+        try:
+            add(name, dweight_kernel(acc16, logits, h, cfg), flop)
+        except Exception as e:  # a configuration that does not fit is reported, not fatal
+            add(f"{name}: {type(e).__name__}", float("nan"))
 
 
 def whole_op_profile(tokens, hidden, vocab, out):
@@ -114,15 +150,16 @@ def whole_op_profile(tokens, hidden, vocab, out):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only-dweight", action="store_true", help="only the weight-gradient rows, no profile")
     args = parser.parse_args()
     out = [
         "| T×H×V | rows/chunk | step | ms per chunk | ms × chunks | rate |",
         "|---|---:|---|---:|---:|---:|",
     ]
     for shape in SHAPES:
-        chunk_parts(*shape, out)
+        chunk_parts(*shape, out, only_dweight=args.only_dweight)
         torch.cuda.empty_cache()
-    for shape in SHAPES:
+    for shape in [] if args.only_dweight else SHAPES:
         whole_op_profile(*shape, out)
         torch.cuda.empty_cache()
     text = "\n".join(out) + "\n"
