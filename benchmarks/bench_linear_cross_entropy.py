@@ -266,6 +266,10 @@ def tiny_model_step(lines):
         num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     batch, seq = 4, 2048
+    # fuser's defaults: the impls above leave their FUSER_LCE_* choices in the environment (until this fix the last
+    # one's fp32 dW accumulator, 128256 × 512 × 4 B = 250 MiB, was in fuser's peak here)
+    for name in ("FUSER_LCE_DW_ACCUMULATOR", "FUSER_LCE_STREAMS", "FUSER_LCE_DW_KERNEL"):
+        os.environ.pop(name, None)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
     logits_bytes = batch * seq * cfg.vocab_size * (2 + 4)
     results = {}
