@@ -89,6 +89,23 @@ def test_a_broadcast_base_is_not_matched(gen):
     assert any("base of shape" in m.reason for m in report.near_misses), str(report)
 
 
+def test_dora_is_not_matched(gen):
+    """peft's DoRA scales the LoRA term by a per-output magnitude (``base + (m − 1)·base + m · lora_B(a) · s``):
+    not ``base + lora_B(a) · s``, so nothing is fused and the output is eager's bit for bit."""
+    x, w, a, b = inputs(gen)
+    mag = 1.0 + 0.1 * torch.randn(N_OUT, generator=gen)
+
+    def dora_linear(x, w, a, b_lora, mag):
+        base = F.linear(x, w).to(torch.float32)
+        lora = F.linear(F.linear(x.to(a.dtype), a), b_lora)
+        return (base + (mag - 1) * base + mag * lora * 2.0).to(x.dtype)
+
+    report = fuser.explain(dora_linear, x, w, a, b, mag)
+    assert "lora_sum" not in report.counts, str(report)
+    out = torch.compile(dora_linear, backend=fuser.backend(fuser.FuserConfig(inner_compiler="aot_eager")))
+    assert torch.equal(out(x, w, a, b, mag), dora_linear(x, w, a, b, mag))
+
+
 def qlora_linear(x, w, a, b_lora, scale=2.0):  # peft's bitsandbytes layers: the scaled term cast, then added
     base = F.linear(x, w)
     return base + (F.linear(F.linear(x.to(a.dtype), a), b_lora) * scale).to(x.dtype)
