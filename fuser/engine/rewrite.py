@@ -69,6 +69,8 @@ class NearMiss:
 class RewriteResult:
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
+    # pattern name → fused ops that its ``after_apply`` refined (counted in ``counts`` as the pattern's own)
+    refined: dict[str, int] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -289,6 +291,12 @@ def rewrite(
     result = find_matches(clone, patterns, config)
     if result.matches:
         apply_matches(result)
+        for pattern in patterns:
+            if pattern.after_apply is not None:
+                n = sum(pattern.after_apply(module.graph) for _, module in subgraph_modules(clone))
+                if n:
+                    result.refined[pattern.name] = n
+                    log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)
         for _, module in subgraph_modules(clone):
             module.recompile()
     return clone, result

@@ -636,6 +636,12 @@ def gated_activation_op(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out, g, u): g / u are the LoRA sums backward saves, or empty tensors without that LoRA term."""
+    return gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation)
+
+
+def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation):
+    """The op's forward as a plain function (the same kernel or reference path, so the same values): what
+    ``fuser::upcast_linear_gated``'s backward recomputes the product with."""
     _check_inputs(gate, up, gate_lora, up_lora, activation)
     if use_triton(gate) and triton_supports(gate):
         out, gate_sum, up_sum = gated_activation_forward_triton(

@@ -248,13 +248,17 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return partial[:, :n_out].sum(0)
 
 
-@torch.library.custom_op("fuser::upcast_linear", mutates_args=())
-def upcast_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check(x, weight, bias)
     if triton_path(x, weight):
         y = _forward_triton(x, weight)
         return y + bias if bias is not None else y
     return F.linear(x.to(weight.dtype), weight, bias)
+
+
+@torch.library.custom_op("fuser::upcast_linear", mutates_args=())
+def upcast_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _upcast_linear(x, weight, bias)
 
 
 @upcast_linear_op.register_fake
@@ -301,6 +305,82 @@ def _backward(ctx, dy):
 
 
 upcast_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same op on a gated MLP's product, which its backward recomputes instead of saving
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::upcast_linear_gated", mutates_args=())
+def upcast_linear_gated_op(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_scale: float,
+    up_scale: float,
+    activation: str,
+) -> torch.Tensor:
+    """``upcast_linear(x, weight, bias)`` where ``x`` is ``fuser::gated_activation(gate, up, None, None, gate_scale,
+    up_scale, activation)[0]`` (peft's LoRA A of a gated MLP's down projection): the backward saves gate and up
+    (which the gated op's backward saves anyway) instead of ``x``, and recomputes ``x`` with that same op, so the
+    weight gradient reads the very values the forward used."""
+    return _upcast_linear(x, weight, bias)
+
+
+@upcast_linear_gated_op.register_fake
+def _(x, gate, up, weight, bias, gate_scale, up_scale, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+
+
+def _gated_setup_context(ctx, inputs, output):
+    x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.gated = (gate_scale, up_scale, activation)
+    ctx.has_bias = bias is not None
+
+
+@torch.library.custom_op("fuser::upcast_linear_gated_grads", mutates_args=())
+def upcast_linear_gated_grads(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    gate_scale: float,
+    up_scale: float,
+    activation: str,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``upcast_linear_grads`` with x recomputed from gate and up here (where dW needs it), by the gated op's own
+    forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
+    would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
+    from fuser.kernels.gated_activation import gated_activation_forward
+
+    x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0] if need_w else gate
+    return upcast_linear_grads(dy, x, weight, need_x, need_w)
+
+
+@upcast_linear_gated_grads.register_fake
+def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w):
+    dx = gate.new_empty(gate.shape) if need_x else gate.new_empty(0)
+    return dx, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
+
+
+def _gated_backward(ctx, dy):
+    gate, up, weight = ctx.saved_tensors
+    need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+    dx = dw = db = None
+    if need_x or need_w:
+        dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, weight, *ctx.gated, need_x, need_w)
+    if need_b and ctx.has_bias:
+        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    return (dx if need_x else None), None, None, (dw if need_w else None), db, None, None, None
+
+
+upcast_linear_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup_context)
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -123,6 +123,9 @@ class Pattern:
     ``runs_first``: matched over the whole graph before the other patterns, which then see its blocks as plain
     inputs (lora_sum's sums would otherwise be absorbed by the gated-MLP patterns that consume them).
     ``default``: on when ``FuserConfig.patterns`` is None; a pattern with ``default=False`` runs only when named.
+    ``after_apply(graph)``, if given, runs on each rewritten graph once every match is applied, and returns how many
+    of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input that a
+    gated op computes is recomputed, not saved).
     """
 
     name: str
@@ -133,3 +136,4 @@ class Pattern:
     judges_outside_uses: bool = False
     runs_first: bool = False
     default: bool = True
+    after_apply: Callable[[Any], int] | None = None

@@ -4,9 +4,17 @@ peft writes every LoRA adapter of a half-precision model this way (adapters kept
 so do fp32 routers and heads. Inductor saves the fp32 copy for the weight gradient; the fused op saves ``x``
 (half the bytes) and casts it again in the backward. The values are the same: the same cast and the same fp32
 matmul (``fuser/kernels/upcast_linear.py``).
+
+After the rewrite (``after_apply``), an upcast linear whose input is a gated MLP's fused product (peft's LoRA A of
+the down projection: ``lora_A(act(gate) * up)``) becomes ``fuser::upcast_linear_gated``: its backward recomputes
+the product from gate and up, which the gated op saves for its own backward anyway, so the product itself
+([tokens, intermediate], the widest activation of a layer) is no longer saved. Not when the gated op absorbed
+LoRA sums (then it saves the sums, not its inputs). ``RECOMPUTE_GATED_INPUT = False`` turns it off.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -37,4 +45,40 @@ def check_upcast_linear(found: Found, variant: Variant) -> Replacement:
     return Replacement(torch.ops.fuser.upcast_linear.default, (b["x"], b["w"], bias))
 
 
-UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear)
+RECOMPUTE_GATED_INPUT = True
+
+
+def recompute_gated_inputs(graph: torch.fx.Graph) -> int:
+    """``upcast_linear(x, W, b)`` with ``x = gated_activation(gate, up, None, None, ...)[0]`` →
+    ``upcast_linear_gated(x, gate, up, W, b, ...)``; returns how many."""
+    if not RECOMPUTE_GATED_INPUT:
+        return 0
+    import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
+
+    gated_op, upcast_op = torch.ops.fuser.gated_activation.default, torch.ops.fuser.upcast_linear.default
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not upcast_op or node.kwargs:
+            continue
+        x, weight, bias = node.args
+        if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+            continue
+        gated = x.args[0]
+        if not isinstance(gated, torch.fx.Node) or gated.target is not gated_op or gated.kwargs:
+            continue
+        gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
+        if gate_lora is not None or up_lora is not None:
+            continue
+        with graph.inserting_before(node):
+            refined = graph.call_function(
+                torch.ops.fuser.upcast_linear_gated.default,
+                (x, gate, up, weight, bias, gate_scale, up_scale, activation),
+            )
+        refined.meta.update(node.meta)
+        node.replace_all_uses_with(refined)
+        graph.erase_node(node)
+        n += 1
+    return n
+
+
+UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=recompute_gated_inputs)

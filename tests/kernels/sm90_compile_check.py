@@ -176,6 +176,9 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         scenarios |= {
             "upcast_linear": lambda: ops["upcast_linear_op"](x, a32, None),
             "upcast_linear grads": lambda: ops["upcast_linear_grads"](x32, x, a32, True, True),
+            "upcast_linear_gated grads (recomputes x)": lambda: ops["upcast_linear_gated_grads"](
+                x32, x, x, a32, 1.0, 1.0, "silu", True, True
+            ),
             "lora_sum": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False),
             "lora_sum, QLoRA order": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, True),
             "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),

@@ -77,6 +77,68 @@ def test_saves_the_half_precision_input_not_its_upcast_copy(gen):
     assert any(dt == torch.float32 and shape[-1] == 24 for dt, shape in saved), saved
 
 
+# ---------------------------------------------------------------------------------------------------------
+# upcast_linear_gated: the same op on a gated MLP's product, recomputed in the backward instead of saved
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gated_leaves(gen, dtype, activation="silu"):
+    import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
+
+    gate = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_()
+    up = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(16, 24, generator=gen)).requires_grad_()
+    return gate, up, w, lambda g, u: torch.ops.fuser.gated_activation(g, u, None, None, 1.0, 1.0, activation)[0]
+
+
+@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter"))])  # fmt: skip
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_input_recomputed_gives_the_same_gradients(path, activation, gen, monkeypatch):
+    """``upcast_linear_gated(x, gate, up, W)`` with ``x = gated_activation(gate, up)``: the same output as
+    ``upcast_linear(x, W)`` and the same gradients for gate, up (through x) and W, bit for bit (x is recomputed by
+    the gated op's own forward), while gate and up, not x, are what it saves (fp16: the interpreter's bf16 is
+    broken)."""
+    if path == "triton":
+        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    dtype = torch.float16 if path == "triton" else torch.bfloat16
+    gate, up, w, act = gated_leaves(gen, dtype, activation)
+    dy = torch.randn(2, 5, 16, generator=gen)
+    x = act(gate, up)
+    expected = upcast_linear(x, w)
+    expected.backward(dy)
+    ref = grads((gate, up, w))
+    for t in (gate, up, w):
+        t.grad = None
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = act(gate, up)
+        n_saved_by_gated = len(saved)
+        out = torch.ops.fuser.upcast_linear_gated(x, gate, up, w, None, 1.0, 1.0, activation)
+    assert torch.equal(out, expected)
+    mine = saved[n_saved_by_gated:]
+    assert not any(t.data_ptr() == x.data_ptr() for t in mine), "x was saved"
+    assert {t.data_ptr() for t in mine} >= {gate.data_ptr(), up.data_ptr()}
+    out.backward(dy)
+    for name, g, r in zip(("gate", "up", "weight"), grads((gate, up, w)), ref, strict=True):
+        assert g is not None and torch.equal(g, r), f"d{name} differs from upcast_linear's"
+
+
+def test_gated_input_opcheck(gen):
+    gate, up, w, act = gated_leaves(gen, torch.bfloat16)
+    x = act(gate, up).detach().requires_grad_()
+    dy = torch.randn(2, 5, 16, generator=gen)
+    args = (x, gate.detach(), up.detach(), w, None, 1.0, 1.0, "silu")
+    torch.library.opcheck(torch.ops.fuser.upcast_linear_gated.default, args)
+    grads_args = (dy, gate.detach(), up.detach(), w.detach(), 1.0, 1.0, "silu", True, True)
+    torch.library.opcheck(torch.ops.fuser.upcast_linear_gated_grads.default, grads_args)
+
+
 def test_rejects_bad_arguments():
     x = torch.randn(3, 8).bfloat16()
     with pytest.raises(ValueError, match=r"weight \[out, in\] with in = x.shape\[-1\] = 8, got \(4, 7\)"):

@@ -1,0 +1,92 @@
+"""Tier 3: the LoRA A of a gated MLP's down projection reads the fused gated product; after the rewrite it becomes
+``fuser::upcast_linear_gated``, whose backward recomputes that product from gate and up instead of saving it. On
+tiny LoRA Llamas: one per layer, the training step bit for bit what it is without the refinement, and the
+partitioner saves one ``[tokens, intermediate]`` tensor per layer fewer."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import fuser
+import fuser.patterns.upcast_linear as upcast_pattern
+from tests.models.tiny import N_LAYERS, lora_model, lora_step
+
+peft = pytest.importorskip("peft")
+
+AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+
+
+def refined(config, since: int = 0) -> dict[str, int]:
+    """What ``after_apply`` refined in the backend's compiles from the ``since``-th on (equal configs share one
+    backend, and its results accumulate)."""
+    total: dict[str, int] = {}
+    for result in fuser.backend(config).results[since:]:
+        for name, n in result.refined.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def checkpointed_lora_model():
+    model = lora_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+@pytest.mark.parametrize("build", [lora_model, checkpointed_lora_model], ids=["plain", "gradient checkpointing"])
+def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build, monkeypatch):
+    """One per layer (under checkpointing: inside the layers' nested graphs), and the training step is what it is
+    without the refinement, bit for bit."""
+    since = len(fuser.backend(AOT).results)
+    loss, grads = lora_step(build(), AOT)
+    assert refined(AOT, since) == {"upcast_linear": N_LAYERS}
+    torch._dynamo.reset()
+    monkeypatch.setattr(upcast_pattern, "RECOMPUTE_GATED_INPUT", False)
+    since = len(fuser.backend(AOT).results)
+    loss_off, grads_off = lora_step(build(), AOT)
+    assert refined(AOT, since) == {}
+    assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads_off[name]), name
+
+
+def test_not_when_the_gated_op_absorbed_the_lora_sums():
+    # without lora_sum the gated op takes the sums in and saves them, not its inputs: nothing to recompute from
+    config = fuser.FuserConfig(patterns=tuple(p for p in fuser.DEFAULT_PATTERNS if p != "lora_sum"), strict=True,
+                               inner_compiler="aot_eager")  # fmt: skip
+    since = len(fuser.backend(config).results)
+    lora_step(lora_model(), config)
+    assert sum(r.counts.get("swiglu", 0) for r in fuser.backend(config).results[since:]) == N_LAYERS
+    assert refined(config, since) == {}
+
+
+def _saved_activations_module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
+    spec = importlib.util.spec_from_file_location("saved_activations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
+def test_the_product_is_no_longer_saved(recompute, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    saved_activations = _saved_activations_module()
+    monkeypatch.setattr(upcast_pattern, "RECOMPUTE_GATED_INPUT", recompute)
+    torch.manual_seed(0)
+    inter = 96
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=inter, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(model, lora).train()
+    ids = torch.randint(0, 128, (2, 8))
+    patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
+    saved = saved_activations.saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    wide = [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == inter]
+    # gate and up (for the gated op's backward), and without the refinement the product too
+    assert len(wide) == (2 if recompute else 3) * 2, saved
