@@ -1,6 +1,7 @@
 """Bytes a training step saves for the backward, per decoder layer and token, as Inductor's partitioner chooses
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
-fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser. Runs on a CPU (the partition depends on
+fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
+(``upcast_linear.RECOMPUTE_GATED_INPUT``), fuser. Runs on a CPU (the partition depends on
 the graph, not on the device); 1 and 2 layers at batch 2×64, the difference is one layer.
 
     python benchmarks/saved_activations.py [--out FILE]
@@ -18,6 +19,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import fuser.patterns.upcast_linear as upcast_pattern
 from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
 
@@ -58,6 +60,9 @@ def saved_for_backward(fn, args: tuple, kwargs: dict, patterns: list) -> list[tu
     return saved
 
 
+MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser")
+
+
 def saved_bytes(mode: str, layers: int) -> int:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
@@ -66,8 +71,12 @@ def saved_bytes(mode: str, layers: int) -> int:
     lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     model = peft.get_peft_model(model, lora).train()
     ids = torch.randint(0, 4096, (BATCH, SEQ))
-    patterns = [p for name, p in PATTERNS.items() if mode == "fuser" or (mode != "compile" and name != "upcast_linear")]
-    saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
+    upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
+    try:
+        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    finally:
+        upcast_pattern.RECOMPUTE_GATED_INPUT = True
     return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in saved)
 
 
@@ -86,7 +95,7 @@ def main() -> None:
         "| mode | bytes / layer / token | at 32 layers × 8192 tokens |",
         "|---|---:|---:|",
     ]
-    for mode in ("compile", "fuser without upcast_linear", "fuser"):
+    for mode in MODES:
         per = (saved_bytes(mode, 2) - saved_bytes(mode, 1)) / (BATCH * SEQ)
         lines.append(f"| {mode} | {per:,.0f} | {per * 32 * 8192 / 2**30:.1f} GiB |")
         print(lines[-1], flush=True)
