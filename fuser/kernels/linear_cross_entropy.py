@@ -357,9 +357,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return _SIDE_STREAMS[device]
 
 
-def _accumulate_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
-    """dw_acc (=, first chunk | +=) g_t @ h_c, in dw_acc's dtype (the weight's or fp32)."""
-    if dweight_kernel_enabled(dw_acc, g_t):
+def _accumulate_dweight(
+    dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, first: bool, triton_kernel: bool = False
+) -> None:
+    """dw_acc (=, first chunk | +=) g_t @ h_c, in dw_acc's dtype (the weight's or fp32); ``triton_kernel``: through
+    ``lce_dweight_kernel`` (decided once per call by :func:`dweight_kernel_enabled`)."""
+    if triton_kernel:
         _launch_dweight(dw_acc, g_t, h_c, first)
         return
     if dw_acc.dtype == g_t.dtype:
@@ -409,6 +412,7 @@ def _forward_chunked(
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=h2.device) if grad_bias else None
     rows = chunk_rows(n_rows, vocab, h2.element_size())
     buffer = torch.empty(min(rows, n_rows), vocab, dtype=h2.dtype, device=h2.device)
+    dw_kernel = grad_weight and dweight_kernel_enabled(dw_acc, buffer)
     weight_t = weight.t()
     # dhidden and dweight both only read a chunk's gradient: with a side stream the weight gradient's memory-bound
     # accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk waits for both
@@ -431,7 +435,7 @@ def _forward_chunked(
             side.wait_stream(torch.cuda.current_stream(h2.device))
         if grad_weight:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0)
+                _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=dw_kernel)
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start:end])
         if side is not None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.kernels import upcast_linear as U
-from fuser.kernels.upcast_linear import HALF_DTYPES
+from fuser.kernels._triton import HALF_DTYPES
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:

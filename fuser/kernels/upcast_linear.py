@@ -261,9 +261,13 @@ def upcast_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _upcast_linear(x, weight, bias)
 
 
+def _fake_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+
+
 @upcast_linear_op.register_fake
 def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+    return _fake_out(x, weight)
 
 
 def _setup_context(ctx, inputs, output):
@@ -296,12 +300,15 @@ def _(dy, x, weight, need_x, need_w):
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad
-    dx = dw = db = None
+    dx = dw = None
     if need_x or need_w:
         dx, dw = torch.ops.fuser.upcast_linear_grads(dy, x, weight, need_x, need_w)
-    if need_b and ctx.has_bias:
-        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    db = _bias_grad(dy) if need_b and ctx.has_bias else None
     return (dx if need_x else None), (dw if need_w else None), db
+
+
+def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    return dy.reshape(-1, dy.shape[-1]).sum(0)
 
 
 upcast_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -332,7 +339,7 @@ def upcast_linear_gated_op(
 
 @upcast_linear_gated_op.register_fake
 def _(x, gate, up, weight, bias, gate_scale, up_scale, activation):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+    return _fake_out(x, weight)
 
 
 def _gated_setup_context(ctx, inputs, output):
@@ -372,11 +379,10 @@ def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w):
 def _gated_backward(ctx, dy):
     gate, up, weight = ctx.saved_tensors
     need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
-    dx = dw = db = None
+    dx = dw = None
     if need_x or need_w:
         dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, weight, *ctx.gated, need_x, need_w)
-    if need_b and ctx.has_bias:
-        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    db = _bias_grad(dy) if need_b and ctx.has_bias else None
     return (dx if need_x else None), None, None, (dw if need_w else None), db, None, None, None
 
 
