@@ -21,11 +21,16 @@ from fuser.kernels import linear_cross_entropy as K
 
 SHAPES = ((8192, 2304, 256000), (8192, 4096, 128256), (16384, 4096, 151936))
 DW_CONFIGS = [
-    dict(K.DWEIGHT_CONFIG),
+    {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 4, "num_stages": 4},
     {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 16, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 5},
+    {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 128, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_V": 256, "BLOCK_H": 64, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 4, "num_stages": 4},
 ]
 
 

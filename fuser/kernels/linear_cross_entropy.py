@@ -29,7 +29,10 @@ fp32 buffer during the forward). Measured on the H200 at 8192×2304×256000 (bf1
 sum's dW error against fp32 was 2.3e-3 vs 2.2e-3 with the fp32 accumulator, which cost 20 ms more
 (``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``). ``FUSER_LCE_DW_KERNEL=triton`` adds each chunk's
 share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as cuBLAS's
-``addmm_`` does (half-precision accumulator only; off until measured against cuBLAS on a GPU).
+``addmm_`` does (half-precision accumulator only). Measured on the H200 (21:08 UTC, 10 tile configurations,
+``benchmarks/results/profile_linear_cross_entropy_dweight_h200_2026-11-30.md``) it is slower than cuBLAS at every
+shape: 1.64 / 2.64 / 2.71 ms per chunk at best against ``addmm_``'s 1.24 / 1.79 / 1.90 (whole op 64.8 vs 54.0 ms
+at 8192×2304×256000), so it stays off; kept as a measured alternative.
 
 Labels outside ``[0, V)`` that are not ``ignore_index`` give a NaN loss for their row (PyTorch raises; an op
 that must not synchronise cannot).
@@ -278,14 +281,15 @@ if HAS_TRITON:
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
 
 
-# the weight-gradient kernel's tiles (GPU; the interpreter takes small ones); not yet measured against cuBLAS
-DWEIGHT_CONFIG = {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 8, "num_stages": 3}
+# the weight-gradient kernel's tiles (GPU; the interpreter takes small ones): the best of the H200 sweep at 2 of
+# the 3 shapes (profile_linear_cross_entropy_dweight_h200_2026-11-30.md), still 1.3–1.5x cuBLAS's addmm_
+DWEIGHT_CONFIG = {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 4}
 _CPU_DWEIGHT_CONFIG = {"BLOCK_V": 16, "BLOCK_H": 16, "BLOCK_R": 16, "GROUP_V": 2}
 
 
 def dweight_kernel_enabled(dw_acc: torch.Tensor, g_t: torch.Tensor) -> bool:
     """``FUSER_LCE_DW_KERNEL=triton``: the weight gradient's running sum in half precision goes through
-    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``cublas``, the default, until measured on a GPU)."""
+    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``cublas``, the default: faster on the H200)."""
     choice = os.environ.get("FUSER_LCE_DW_KERNEL", "cublas")
     if choice not in ("cublas", "triton"):
         raise ValueError(f"fuser: FUSER_LCE_DW_KERNEL must be 'cublas' or 'triton', got {choice!r}")
