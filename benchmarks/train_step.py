@@ -433,6 +433,7 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
         import fuser
 
         result["fuser_counts"] = fuser.backend(fuser_config(args)).counts
+        result["fuser_post_grad"] = dict(fuser.backend(fuser_config(args)).post_grad_counts)
     if mode in ("compile", "fuser"):
         from torch._dynamo.utils import counters
 
@@ -766,6 +767,9 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
     if fz:
         counts = fz.get("fuser_counts") or {}
         text += "\nfuser fused: " + (", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing")
+        post_grad = fz.get("fuser_post_grad") or {}
+        if post_grad:  # what fuser's post-grad pass changed in the graphs Inductor compiled (not from its cache)
+            text += "; post-grad: " + ", ".join(f"{k}={v}" for k, v in sorted(post_grad.items()))
         text += f"; graphs {fz.get('graphs', '?')}, graph breaks {fz.get('graph_breaks', '?')}"
         if "compile" in ok:
             ind = ok["compile"]

@@ -14,6 +14,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
+from fuser.engine import inplace
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
 
@@ -37,25 +38,31 @@ def _source_digest() -> str:
 _SOURCE_DIGEST = _source_digest()
 
 
-def _cache_key_pass(config: FuserConfig) -> Any:
-    """A post-grad pass that does nothing but put fuser's source and config into Inductor's cache key.
+def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
+    """fuser's post-grad pass: :func:`fuser.engine.inplace.accumulate_gated_dx` and
+    :func:`~fuser.engine.inplace.reinplace_gated_backward` (unless switched off), then the user's own post-grad
+    pass, if any; the numbers of calls rewritten are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
-    keys; a user's own post-grad pass, if any, still runs and keeps its uuid in the key.
+    keys: fuser's source, config and switch are in it, and the user's pass keeps its uuid in the key.
     """
     base = _compat.custom_graph_pass_base()
     previous = _compat.current_post_grad_custom_post_pass()
 
-    class FuserCacheKey(base):
+    class FuserPostGrad(base):
         def __call__(self, graph: torch.fx.Graph) -> None:
+            if inplace.GATED_BACKWARD_IN_PLACE:
+                for name, rewrite_pass in (("gated_dx_accumulated", inplace.accumulate_gated_dx),
+                                           ("gated_backward_in_place", inplace.reinplace_gated_backward)):  # fmt: skip
+                    counts[name] = counts.get(name, 0) + rewrite_pass(graph)
             if previous is not None:
                 previous(graph)
 
         def uuid(self) -> Any:
             prev = previous.uuid() if previous is not None and hasattr(previous, "uuid") else None
-            return ("fuser", _SOURCE_DIGEST, repr(config), prev)
+            return ("fuser", _SOURCE_DIGEST, repr(config), inplace.GATED_BACKWARD_IN_PLACE, prev)
 
-    return FuserCacheKey()
+    return FuserPostGrad()
 
 
 class FuserBackend:
@@ -65,6 +72,10 @@ class FuserBackend:
         self.config = config
         self.patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
         self.results: list[RewriteResult] = []  # one per graph compiled through this backend, in order
+        # what fuser's post-grad pass changed in the graphs Inductor compiled (forward and backward), e.g.
+        # {"gated_backward_in_place": 32}; filled as Inductor compiles them (a backward graph maybe only at the
+        # first backward call), and not when a graph comes from Inductor's cache
+        self.post_grad_counts: dict[str, int] = {}
 
     @property
     def counts(self) -> dict[str, int]:
@@ -100,9 +111,8 @@ class FuserBackend:
             return gm.forward
         if self.config.inner_compiler == "aot_eager":
             return _compat.lookup_dynamo_backend("aot_eager")(gm, example_inputs)
-        return _compat.inductor_compile(
-            gm, example_inputs, config_patches={"post_grad_custom_post_pass": _cache_key_pass(self.config)}
-        )
+        post_grad = _post_grad_pass(self.config, self.post_grad_counts)
+        return _compat.inductor_compile(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post_grad})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         new_gm, result = self.rewrite(gm)

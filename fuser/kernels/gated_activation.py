@@ -706,6 +706,29 @@ def _(
     )
 
 
+@torch.library.custom_op("fuser::gated_activation_backward_", mutates_args=("g", "u"))
+def gated_activation_backward_inplace_op(
+    dout: torch.Tensor, g: torch.Tensor, u: torch.Tensor, gate_scale: float, up_scale: float, activation: str
+) -> None:
+    """dgate over ``g``, dup over ``u``: the backward without LoRA gradients, writing into its inputs.
+
+    Never called by autograd: a post-grad pass (:mod:`fuser.engine.inplace`) puts it in place of
+    ``fuser::gated_activation_backward`` when nothing reads g and u afterwards (a checkpointed layer's recomputed
+    gate and up), which saves two ``[tokens, intermediate]`` buffers at the peak of the layer's backward. The
+    kernel reads each element of g and u before it writes the same element, so writing in place is exact."""
+    if use_triton(g) and triton_supports(g) and g.is_contiguous() and u.is_contiguous():
+        gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, dgate_out=g, dup_out=u)
+        return
+    dgate, dup, _, _ = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale)
+    g.copy_(dgate)
+    u.copy_(dup)
+
+
+@gated_activation_backward_inplace_op.register_fake
+def _(dout, g, u, gate_scale, up_scale, activation):
+    _check_activation(activation)
+
+
 def _setup_context(ctx, inputs, output):
     gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = inputs
     _, gate_sum, up_sum = output

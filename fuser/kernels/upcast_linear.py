@@ -209,14 +209,17 @@ def _dx_triton(
     base: torch.Tensor | None = None,
     scale: float = 1.0,
     round_term: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(dy @ weight).to(dtype)`` (``weight`` [out, in], ≤ 64 rows, any strides), fp32 sums; with ``base``
     ([rows…, in], contiguous): ``(base + scale · (dy @ weight)).to(dtype)``, one rounding (``round_term``:
-    ``base + (scale · (dy @ weight)).to(dtype)``, the term rounded first)."""
+    ``base + (scale · (dy @ weight)).to(dtype)``, the term rounded first). ``out`` (contiguous, ``[rows, in]``
+    elements of ``dtype``) receives the result, and may be ``base`` itself: each tile reads its base before it
+    writes the same tile."""
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
     n_rows, n_out = dy2.shape
     n_in = weight.shape[1]
-    dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device)
+    dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device) if out is None else out.view(n_rows, n_in)
     cfg = _config("dx", dy.device)
     if n_rows:
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
@@ -364,10 +367,68 @@ def upcast_linear_gated_grads(
     """``upcast_linear_grads`` with x recomputed from gate and up here (where dW needs it), by the gated op's own
     forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
+    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) if need_w else None
+    dx = upcast_linear_grads(dy, gate, weight, True, False)[0] if need_x else gate.new_empty(0)
+    return dx, dw if dw is not None else weight.new_empty(0)
+
+
+# rows of the recomputed product per weight-gradient step: a 64 MiB slice, not the whole [tokens, intermediate]
+# tensor (896 MiB for Llama-3-8B at 32,768 tokens), which would sit beside gate, up and dx at the peak of a
+# checkpointed layer's backward; small inputs are one slice, computed exactly as without slicing
+GATED_RECOMPUTE_BYTES = 64 << 20
+
+
+def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) -> torch.Tensor:
+    """dW = dyᵀ @ x with x = the gated product, recomputed slice by slice of rows (fp32 partial sums added in
+    order: deterministic)."""
     from fuser.kernels.gated_activation import gated_activation_forward
 
-    x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0] if need_w else gate
-    return upcast_linear_grads(dy, x, weight, need_x, need_w)
+    n_cols = gate.shape[-1]
+    gate2, up2 = gate.reshape(-1, n_cols), up.reshape(-1, n_cols)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    n_rows = gate2.shape[0]
+    step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
+    if n_rows <= step:
+        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        return upcast_linear_grads(dy, x, weight, False, True)[1]
+    dw = None
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
+        x = gated_activation_forward(gate2[rows], up2[rows], None, None, gate_scale, up_scale, activation)[0]
+        part = upcast_linear_grads(dy2[rows], x, weight, False, True)[1]
+        dw = part if dw is None else dw.add_(part)
+    return dw
+
+
+@torch.library.custom_op("fuser::upcast_linear_gated_grads_acc_", mutates_args=("dx_acc",))
+def upcast_linear_gated_grads_acc_(
+    dx_acc: torch.Tensor,
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    gate_scale: float,
+    up_scale: float,
+    activation: str,
+    need_w: bool,
+) -> torch.Tensor:
+    """``upcast_linear_gated_grads`` whose dx is added into ``dx_acc`` (``dx_acc += dx``, rounded as
+    ``dx_acc + dx`` in dx_acc's dtype would be) instead of returned: returns dW (empty unless ``need_w``).
+
+    Never called by autograd: a post-grad pass (:mod:`fuser.engine.inplace`) puts it in place of
+    ``upcast_linear_gated_grads`` + the ``add`` that sums its dx with the base projection's, when nothing reads
+    the base's gradient afterwards; one ``[tokens, intermediate]`` buffer fewer at the peak."""
+    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) if need_w else None
+    if triton_path(gate, weight) and dx_acc.is_contiguous() and dx_acc.dtype == gate.dtype:
+        _dx_triton(dy, weight, gate.dtype, base=dx_acc, round_term=True, out=dx_acc)
+    else:
+        dx_acc.add_((dy @ weight).to(gate.dtype))
+    return dw if dw is not None else weight.new_empty(0)
+
+
+@upcast_linear_gated_grads_acc_.register_fake
+def _(dx_acc, dy, gate, up, weight, gate_scale, up_scale, activation, need_w):
+    return weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
 
 
 @upcast_linear_gated_grads.register_fake

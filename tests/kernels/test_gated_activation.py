@@ -382,6 +382,29 @@ def test_triton_inf_and_nan_in_dout_pass_through(gen):
     torch.testing.assert_close(dup, dup_ref, equal_nan=True)
 
 
+def check_in_place(dout, gate, up, activation, tol):
+    """``fuser::gated_activation_backward_`` writes dgate over gate and dup over up: what the out-of-place
+    backward gives, and within ``tol`` of fp64."""
+    expected = gated_activation_reference_backward(fp64(dout), fp64(gate), fp64(up), activation)
+    out_of_place = torch.ops.fuser.gated_activation_backward(
+        dout, gate, up, 1.0, 1.0, True, True, False, False, activation
+    )
+    torch.ops.fuser.gated_activation_backward_(dout, gate, up, 1.0, 1.0, activation)
+    for name, written, reference, exp in (("dgate", gate, out_of_place[0], expected[0]),
+                                          ("dup", up, out_of_place[1], expected[1])):  # fmt: skip
+        assert torch.equal(written, reference), f"{name}: in place differs from out of place"
+        assert_close(name, written, exp, tol)
+
+
+@interpreter
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_backward_in_place(activation, dtype, gen, monkeypatch):
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    gate, up, _, _, _, _, dout = make_inputs((3, 7, 300), dtype, gen)
+    check_in_place(dout, gate, up, activation, TOLERANCE[dtype])
+
+
 PACKED_SHAPES = [(5, 2), (2, 7, 34), (19, 600), (3, 2006)]  # I = 1, 17, 300, 1003
 
 
@@ -800,6 +823,14 @@ def test_gpu_matches_fp64_reference(intermediate, dtype, activation, variant, ge
     else:
         inputs = make_inputs(shape, dtype, gen, "lora" if variant == "lora" else "no_lora", device="cuda")
         check_against_fp64_reference(*inputs, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gpu_backward_in_place(activation, dtype, gen):
+    gate, up, _, _, _, _, dout = make_inputs((GPU_ROWS, 14336), dtype, gen, device="cuda")
+    check_in_place(dout, gate, up, activation, TOLERANCE[dtype])
 
 
 @pytest.mark.gpu

@@ -267,3 +267,55 @@ def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
         for name, got, want, tol in (("y", out, ref, 1e-5), ("dW", dw, w64.grad, 1e-5), ("dx", dx, x64.grad, 4e-3)):
             err = ((got - want).norm() / want.norm()).item()
             assert err < tol, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
+
+
+TRITON_OR_REFERENCE = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter"))]  # fmt: skip
+
+
+def big_gated_inputs(gen, dtype, rows=1000, n_in=40, n_out=8):
+    gate = torch.randn(rows, n_in, generator=gen).to(dtype)
+    up = torch.randn(rows, n_in, generator=gen).to(dtype)
+    w = 0.1 * torch.randn(n_out, n_in, generator=gen)
+    dy = torch.randn(rows, n_out, generator=gen)
+    return dy, gate, up, w
+
+
+@pytest.mark.parametrize("path", TRITON_OR_REFERENCE)
+def test_gated_weight_gradient_in_row_slices(path, gen, monkeypatch):
+    """With a small ``GATED_RECOMPUTE_BYTES`` the product is recomputed 256 rows at a time (4 slices, the last one
+    short): dW within fp32 rounding of the unsliced one and of fp64 (of the same fp16 product), dx unchanged."""
+    if path == "triton":
+        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    dy, gate, up, w = big_gated_inputs(gen, torch.float16)
+    whole = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, w, 1.0, 1.0, "silu", True, True)
+    monkeypatch.setattr(module, "GATED_RECOMPUTE_BYTES", 256 * 40 * 2)
+    sliced = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, w, 1.0, 1.0, "silu", True, True)
+    assert torch.equal(sliced[0], whole[0])
+    x = torch.ops.fuser.gated_activation(gate, up, None, None, 1.0, 1.0, "silu")[0]  # the product as the forward had it
+    dw64 = dy.double().t() @ x.double()
+    for dw in (whole[1], sliced[1]):
+        assert ((dw.double() - dw64).norm() / dw64.norm()).item() < 1e-6
+    assert ((sliced[1] - whole[1]).norm() / whole[1].norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("path", TRITON_OR_REFERENCE)
+@pytest.mark.parametrize("need_w", [True, False])
+def test_gated_grads_accumulated_into_the_base_gradient(path, need_w, gen, monkeypatch):
+    """``upcast_linear_gated_grads_acc_(acc, ...)``: ``acc`` becomes exactly ``acc + dx`` as the ``add`` it
+    replaces rounds it, and the returned dW is the out-of-place op's."""
+    if path == "triton":
+        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    dy, gate, up, w = big_gated_inputs(gen, torch.float16, rows=77)
+    dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, w, 1.0, 1.0, "gelu_tanh", True, need_w)
+    acc = torch.randn(77, 40, generator=gen).to(torch.float16)
+    expected = acc + dx
+    dw_acc = torch.ops.fuser.upcast_linear_gated_grads_acc_(acc, dy, gate, up, w, 1.0, 1.0, "gelu_tanh", need_w)
+    assert torch.equal(acc, expected)
+    assert torch.equal(dw_acc, dw) if need_w else dw_acc.numel() == 0
+
+
+def test_gated_grads_acc_opcheck(gen):
+    dy, gate, up, w = big_gated_inputs(gen, torch.bfloat16, rows=9)
+    args = (torch.randn(9, 40, generator=gen).bfloat16(), dy, gate, up, w, 1.0, 1.0, "silu", True)
+    torch.library.opcheck(torch.ops.fuser.upcast_linear_gated_grads_acc_.default, args)

@@ -1,0 +1,82 @@
+"""Tier 3: in a checkpointed layer the gated MLP's backward writes dgate and dup over the recomputed gate and up,
+and the down adapter's dx is added into the base projection's gradient (``fuser.engine.inplace``). Through
+Inductor on CPU (its caches off, so the post-grad pass runs): one of each per layer under gradient checkpointing;
+without it the gated backward stays out of place (gate and up are then saved activations) while the dx is still
+accumulated; the training step is what it is with the passes switched off, bit for bit, and eager's within fp32
+rounding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+import fuser.engine.inplace as inplace
+from tests.models.tiny import N_LAYERS, batch, build, grads, lora_model, lora_step, rel
+
+pytest.importorskip("peft")
+
+INDUCTOR = fuser.FuserConfig(strict=True)  # the default inner compiler
+
+
+@pytest.fixture(autouse=True)
+def _no_inductor_cache():
+    # a graph from Inductor's cache skips the post-grad passes, and with them the count
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+
+
+def checkpointed(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def step_with_and_without_the_pass(make, monkeypatch):
+    """((loss, grads) with the pass, the same without it, what the pass rewrote in the first run)."""
+    backend = fuser.backend(INDUCTOR)
+    on = lora_step(make(), INDUCTOR)
+    counts = dict(backend.post_grad_counts)
+    torch._dynamo.reset()
+    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
+    backend.post_grad_counts.clear()
+    off = lora_step(make(), INDUCTOR)
+    assert backend.post_grad_counts == {}
+    return on, off, counts
+
+
+def assert_same_step(on, off):
+    (loss, g), (loss_off, g_off) = on, off
+    assert torch.equal(loss, loss_off) and g.keys() == g_off.keys()
+    for name in g:
+        assert torch.equal(g[name], g_off[name]), name
+
+
+def test_checkpointed_lora_llama_one_per_layer_step_unchanged(monkeypatch):
+    on, off, counts = step_with_and_without_the_pass(lambda: checkpointed(lora_model()), monkeypatch)
+    assert counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": N_LAYERS}
+    assert_same_step(on, off)
+
+
+def test_not_without_checkpointing(monkeypatch):
+    # gate and up are saved for the backward: graph inputs of the backward graph, which autograd owns
+    on, off, counts = step_with_and_without_the_pass(lora_model, monkeypatch)
+    assert counts["gated_backward_in_place"] == 0 and counts["gated_dx_accumulated"] == N_LAYERS
+    assert_same_step(on, off)
+
+
+def test_checkpointed_full_fine_tune_equals_eager():
+    model = checkpointed(build("llama"))
+    reference = copy.deepcopy(model)
+    data = batch()
+    reference(**data).loss.backward()
+    out = fuser.optimize(model, INDUCTOR)(**data)
+    out.loss.backward()
+    # no LoRA adapter on the down projection: nothing to accumulate
+    assert fuser.backend(INDUCTOR).post_grad_counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": 0}
+    assert rel(out.loss, reference(**data).loss) <= 1e-6
+    g, g_ref = grads(model), grads(reference)
+    assert g.keys() == g_ref.keys()
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-5, name
