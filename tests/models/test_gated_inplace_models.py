@@ -80,3 +80,25 @@ def test_checkpointed_full_fine_tune_equals_eager():
     assert g.keys() == g_ref.keys()
     for name in g_ref:
         assert rel(g[name], g_ref[name]) <= 1e-5, name
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointed_lora_llama_step_unchanged(monkeypatch):
+    """On CUDA the rewritten ops take their Triton paths (the gated backward kernel writing over its inputs, the
+    dx kernel adding into the base gradient in its epilogue): the bf16 step equals the one without the passes."""
+    make = lambda: checkpointed(lora_model().cuda())  # noqa: E731
+
+    def step(config):
+        model = make()
+        data = {k: v.cuda() for k, v in batch().items()}
+        out = fuser.optimize(model, config)(**data)
+        out.loss.backward()
+        return out.loss.detach(), grads(model)
+
+    backend = fuser.backend(INDUCTOR)
+    on = step(INDUCTOR)
+    assert backend.post_grad_counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": N_LAYERS}
+    torch._dynamo.reset()
+    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
+    off = step(INDUCTOR)
+    assert_same_step(on, off)
