@@ -396,6 +396,7 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) -
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], None, None, gate_scale, up_scale, activation)[0]
         part = upcast_linear_grads(dy2[rows], x, weight, False, True)[1]
+        del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw
 
