@@ -1,10 +1,12 @@
 """Bytes a training step saves for the backward, per decoder layer and token, as Inductor's partitioner chooses
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
-(``upcast_linear.RECOMPUTE_GATED_INPUT``), fuser. Runs on a CPU (the partition depends on
-the graph, not on the device); 1 and 2 layers at batch 2×64, the difference is one layer.
+(``upcast_linear.RECOMPUTE_GATED_INPUT``), fuser; or (``--job llama32-1b-full``) a Llama-3.2-1B layer under full
+fine-tuning: torch.compile, fuser without the down projection's recompute (``gated_mlp.RECOMPUTE_FOR_DOWN_WEIGHT``),
+fuser. Runs on a CPU (the partition depends on the graph, not on the device); 1 and 2 layers at batch 2×64, the
+difference is one layer.
 
-    python benchmarks/saved_activations.py [--out FILE]
+    python benchmarks/saved_activations.py [--job llama3-8b-lora | llama32-1b-full] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import fuser.patterns.gated_mlp as gated_pattern
 import fuser.patterns.upcast_linear as upcast_pattern
 from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
@@ -61,43 +64,64 @@ def saved_for_backward(fn, args: tuple, kwargs: dict, patterns: list) -> list[tu
 
 
 MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser")
+FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser")
+# job → (title, layers of the real model, config fields)
+JOBS = {
+    "llama3-8b-lora": (
+        "Llama-3-8B layer, LoRA r16 on all linear layers",
+        32,
+        dict(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    ),
+    "llama32-1b-full": (
+        "Llama-3.2-1B layer, full fine-tune",
+        16,
+        dict(vocab_size=4096, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
+    ),
+}
 
 
-def saved_bytes(mode: str, layers: int) -> int:
+def saved_bytes(mode: str, layers: int, job: str = "llama3-8b-lora") -> int:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, attn_implementation="sdpa")  # fmt: skip
+    config = LlamaConfig(**JOBS[job][2], num_hidden_layers=layers, attn_implementation="sdpa")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
-    model = peft.get_peft_model(model, lora).train()
+    if job == "llama3-8b-lora":
+        lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
+                               target_modules="all-linear")  # fmt: skip
+        model = peft.get_peft_model(model, lora)
+    model.train()
     ids = torch.randint(0, 4096, (BATCH, SEQ))
     patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
     upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
+    gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = mode != FULL_MODES[1]
     try:
         saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
     finally:
         upcast_pattern.RECOMPUTE_GATED_INPUT = True
+        gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = True
     return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in saved)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--job", default="llama3-8b-lora", choices=sorted(JOBS))
     parser.add_argument("--out")
     args = parser.parse_args()
+    title, n_layers, _ = JOBS[args.job]
+    adapters = "bf16 base, fp32 adapters" if args.job == "llama3-8b-lora" else "bf16 weights"
     lines = [
-        "# Saved activations per Llama-3-8B layer and token, LoRA r16 on all linear layers (CPU, partitioner only)",
+        f"# Saved activations per layer and token: {title} (CPU, partitioner only)",
         "",
-        "- command: `python benchmarks/saved_activations.py`; "
+        f"- command: `python benchmarks/saved_activations.py --job {args.job}`; "
         f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-        f"- torch {torch.__version__}, peft {peft.__version__}; bf16 base, fp32 adapters; batch {BATCH}×{SEQ};"
+        f"- torch {torch.__version__}, peft {peft.__version__}; {adapters}; batch {BATCH}×{SEQ};"
         " one layer = (2 layers − 1 layer); graph inputs and their views not counted",
         "",
-        "| mode | bytes / layer / token | at 32 layers × 8192 tokens |",
+        f"| mode | bytes / layer / token | at {n_layers} layers × 8192 tokens |",
         "|---|---:|---:|",
     ]
-    for mode in MODES:
-        per = (saved_bytes(mode, 2) - saved_bytes(mode, 1)) / (BATCH * SEQ)
-        lines.append(f"| {mode} | {per:,.0f} | {per * 32 * 8192 / 2**30:.1f} GiB |")
+    for mode in MODES if args.job == "llama3-8b-lora" else FULL_MODES:
+        per = (saved_bytes(mode, 2, args.job) - saved_bytes(mode, 1, args.job)) / (BATCH * SEQ)
+        lines.append(f"| {mode} | {per:,.0f} | {per * n_layers * 8192 / 2**30:.2f} GiB |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

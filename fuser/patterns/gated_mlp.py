@@ -18,6 +18,7 @@ projection when its forward multiplies the product by a matrix: under QLoRA the 
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -255,7 +256,67 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     )
 
 
+# after the rewrite: a trainable down projection fed the fused product recomputes it for its weight gradient
+# (fuser/kernels/linear_gated.py) instead of saving it; False keeps the plain linear
+RECOMPUTE_FOR_DOWN_WEIGHT = True
+_LINEARS = (torch.nn.functional.linear, torch._C._nn.linear)
+
+
+def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]) -> int:
+    """``linear(x, W, b)`` with ``x = gated_activation(gate, up, None, None, ..., activation)[0]`` (``activation``
+    one of ``activations``: each pattern refines its own ops) and ``W`` trainable → ``linear_gated(x, gate, up, W,
+    b, ...)``; returns how many. Not for a frozen ``W`` (LoRA's base: nothing saves
+    ``x`` for it), nor when the gated op absorbed LoRA sums (it then saves the sums), nor under autocast (``x``
+    and ``W`` of different dtypes)."""
+    if not RECOMPUTE_FOR_DOWN_WEIGHT:
+        return 0
+    import fuser.kernels.linear_gated  # noqa: F401  (registers torch.ops.fuser.linear_gated)
+
+    gated_op = torch.ops.fuser.gated_activation.default
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _LINEARS:
+            continue
+        names = ("input", "weight", "bias")
+        if len(node.args) > 3 or set(node.kwargs) - set(names):
+            continue
+        bound = dict(zip(names, (*node.args, None, None, None), strict=False)) | dict(node.kwargs)
+        x, weight, bias = bound["input"], bound["weight"], bound["bias"]
+        if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+            continue
+        gated = x.args[0]
+        if not isinstance(gated, torch.fx.Node) or gated.target is not gated_op or gated.kwargs:
+            continue
+        gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
+        xt, wt = tensor_meta(x), tensor_meta(weight)
+        if activation not in activations or gate_lora is not None or up_lora is not None or xt is None or wt is None:
+            continue
+        if not wt.requires_grad or wt.dtype != xt.dtype or wt.dim() != 2:
+            continue
+        if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dtype != wt.dtype):
+            continue
+        with graph.inserting_before(node):
+            refined = graph.call_function(
+                torch.ops.fuser.linear_gated.default, (x, gate, up, weight, bias, gate_scale, up_scale, activation)
+            )
+        refined.meta.update(node.meta)
+        node.replace_all_uses_with(refined)
+        graph.erase_node(node)
+        n += 1
+    return n
+
+
 SWIGLU = Pattern(
-    "swiglu", _variants(_silu), lambda found, variant: _check(found, variant, "silu"), anchors=frozenset({"silu"})
+    "swiglu",
+    _variants(_silu),
+    lambda found, variant: _check(found, variant, "silu"),
+    anchors=frozenset({"silu"}),
+    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
 )
-GEGLU = Pattern("geglu", _variants(_gelu), lambda found, variant: _check(found, variant, "gelu"), anchors=frozenset())
+GEGLU = Pattern(
+    "geglu",
+    _variants(_gelu),
+    lambda found, variant: _check(found, variant, "gelu"),
+    anchors=frozenset(),
+    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
+)

@@ -1,0 +1,95 @@
+"""``fuser::linear_gated``: the down projection of a gated MLP under full fine-tuning, without saving its input.
+
+``F.linear(x, W, b)`` with ``x = act(gate) * up`` the gated op's product ([tokens, intermediate], the widest
+activation of a layer). Autograd saves ``x`` for ``dW = dyᵀ @ x``; the gated op already saves gate and up for its
+own backward, so this op saves those instead and recomputes ``x`` in the backward with the gated op's own forward
+(the same kernel, so the same values): one ``[tokens, intermediate]`` tensor per layer fewer between the forward
+and the backward, for one gated forward more in the backward. Inductor would recompute the product itself were it
+plain pointwise code; as the output of a fused op it cannot.
+
+    dx = dy @ W          dW = dyᵀ @ x(gate, up)          db = Σ_rows dy
+
+The matmuls are PyTorch's (``torch.mm``), as eager's; the result is bit for bit eager's ``F.linear`` backward
+given the same product. ``fuser.patterns.gated_mlp`` puts the op in place of such a linear after the rewrite
+(``RECOMPUTE_FOR_DOWN_WEIGHT``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fuser.kernels.gated_activation import gated_activation_forward
+
+
+@torch.library.custom_op("fuser::linear_gated", mutates_args=())
+def linear_gated_op(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_scale: float,
+    up_scale: float,
+    activation: str,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, ``x`` being ``fuser::gated_activation(gate, up, None, None, gate_scale,
+    up_scale, activation)[0]``."""
+    return F.linear(x, weight, bias)
+
+
+@linear_gated_op.register_fake
+def _(x, gate, up, weight, bias, gate_scale, up_scale, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("fuser::linear_gated_grads", mutates_args=())
+def linear_gated_grads(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    gate_scale: float,
+    up_scale: float,
+    activation: str,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db), each 0-element where not asked for. One op that reads ``dy``: the recompute belongs to the
+    backward (a separate gated call would be merged with the forward's by common-subexpression elimination)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    empty = dy.new_empty(0)
+    dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1]) if need_x else empty
+    dw, db = weight.new_empty(0), empty
+    if need_w:
+        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1])
+    if need_b:
+        db = dy2.sum(0)
+    return dx, dw, db
+
+
+@linear_gated_grads.register_fake
+def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w, need_b):
+    dx = dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_x else dy.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
+    return dx, dw, dy.new_empty(dy.shape[-1]) if need_b else dy.new_empty(0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.gated = (gate_scale, up_scale, activation)
+
+
+def _backward(ctx, dy):
+    gate, up, weight = ctx.saved_tensors
+    need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+    dx = dw = db = None
+    if need_x or need_w or need_b:
+        dx, dw, db = torch.ops.fuser.linear_gated_grads(dy, gate, up, weight, *ctx.gated, need_x, need_w, need_b)
+    return (dx if need_x else None), None, None, (dw if need_w else None), (db if need_b else None), None, None, None
+
+
+linear_gated_op.register_autograd(_backward, setup_context=_setup_context)
