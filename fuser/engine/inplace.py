@@ -74,6 +74,10 @@ def _bound_args(node: torch.fx.Node) -> dict[str, Any]:
     return bound
 
 
+def _calls(graph: torch.fx.Graph, target: Any) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
 def _storages(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict[int, list]]:
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_storage: dict[int, list] = defaultdict(list)
@@ -132,8 +136,7 @@ def _decline_reason(
 
 def reinplace_gated_backward(graph: torch.fx.Graph) -> int:
     """Rewrite the safe ``fuser::gated_activation_backward`` calls of ``graph`` in place; the number rewritten."""
-    target = torch.ops.fuser.gated_activation_backward.default
-    candidates = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+    candidates = _calls(graph, torch.ops.fuser.gated_activation_backward.default)
     if not candidates:
         return 0
     order, by_storage = _storages(graph)
@@ -185,8 +188,7 @@ def _single_add_of_dx(node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.
 def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
     """Rewrite ``add(upcast_linear_gated_grads(...)[0], y)`` into ``upcast_linear_gated_grads_acc_(y, ...)`` where
     ``y`` can be overwritten unobserved; the number rewritten."""
-    target = torch.ops.fuser.upcast_linear_gated_grads.default
-    candidates = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+    candidates = _calls(graph, torch.ops.fuser.upcast_linear_gated_grads.default)
     if not candidates:
         return 0
     order, by_storage = _storages(graph)

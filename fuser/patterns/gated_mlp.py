@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any
 
 import torch
 
@@ -256,6 +257,23 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     )
 
 
+def plain_gated_product(x: Any) -> tuple | None:
+    """(gate, up, gate_scale, up_scale, activation) when ``x`` is ``fuser::gated_activation(gate, up, None, None,
+    ...)[0]`` in a rewritten graph: a product the gated op's own forward can recompute from the gate and up it
+    saves (not when it absorbed LoRA sums: it then saves the sums); None otherwise."""
+    if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+        return None
+    gated = x.args[0]
+    if not isinstance(gated, torch.fx.Node) or gated.target is not torch.ops.fuser.gated_activation.default:
+        return None
+    if gated.kwargs:
+        return None
+    gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
+    if gate_lora is not None or up_lora is not None:
+        return None
+    return gate, up, gate_scale, up_scale, activation
+
+
 # after the rewrite: a trainable down projection fed the fused product recomputes it for its weight gradient
 # (fuser/kernels/linear_gated.py) instead of saving it; False keeps the plain linear
 RECOMPUTE_FOR_DOWN_WEIGHT = True
@@ -272,7 +290,6 @@ def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]
         return 0
     import fuser.kernels.linear_gated  # noqa: F401  (registers torch.ops.fuser.linear_gated)
 
-    gated_op = torch.ops.fuser.gated_activation.default
     n = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _LINEARS:
@@ -282,14 +299,12 @@ def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]
             continue
         bound = dict(zip(names, (*node.args, None, None, None), strict=False)) | dict(node.kwargs)
         x, weight, bias = bound["input"], bound["weight"], bound["bias"]
-        if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+        product = plain_gated_product(x)
+        if product is None:
             continue
-        gated = x.args[0]
-        if not isinstance(gated, torch.fx.Node) or gated.target is not gated_op or gated.kwargs:
-            continue
-        gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
+        gate, up, gate_scale, up_scale, activation = product
         xt, wt = tensor_meta(x), tensor_meta(weight)
-        if activation not in activations or gate_lora is not None or up_lora is not None or xt is None or wt is None:
+        if activation not in activations or xt is None or wt is None:
             continue
         if not wt.requires_grad or wt.dtype != xt.dtype or wt.dim() != 2:
             continue

@@ -14,8 +14,6 @@ LoRA sums (then it saves the sums, not its inputs). ``RECOMPUTE_GATED_INPUT = Fa
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from fuser.engine.canonical import tensor_meta
@@ -53,22 +51,18 @@ def recompute_gated_inputs(graph: torch.fx.Graph) -> int:
     ``upcast_linear_gated(x, gate, up, W, b, ...)``; returns how many."""
     if not RECOMPUTE_GATED_INPUT:
         return 0
-    import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
+    from fuser.patterns.gated_mlp import plain_gated_product
 
-    gated_op, upcast_op = torch.ops.fuser.gated_activation.default, torch.ops.fuser.upcast_linear.default
+    upcast_op = torch.ops.fuser.upcast_linear.default
     n = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not upcast_op or node.kwargs:
             continue
         x, weight, bias = node.args
-        if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+        product = plain_gated_product(x)
+        if product is None:
             continue
-        gated = x.args[0]
-        if not isinstance(gated, torch.fx.Node) or gated.target is not gated_op or gated.kwargs:
-            continue
-        gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
-        if gate_lora is not None or up_lora is not None:
-            continue
+        gate, up, gate_scale, up_scale, activation = product
         with graph.inserting_before(node):
             refined = graph.call_function(
                 torch.ops.fuser.upcast_linear_gated.default,

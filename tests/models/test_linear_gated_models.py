@@ -5,9 +5,6 @@ it is without the refinement, and the partitioner saves one ``[tokens, intermedi
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +12,7 @@ import torch.nn.functional as F
 import fuser
 import fuser.kernels.linear_gated  # noqa: F401  (registers the ops)
 import fuser.patterns.gated_mlp as gated_pattern
-from tests.models.tiny import N_LAYERS, batch, build_any, grads, lora_model, lora_step
+from tests.models.tiny import N_LAYERS, batch, build_any, grads, lora_model, lora_step, saved_wide_tensors, small_llama
 
 AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 
@@ -87,28 +84,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fuser.linear_gated_grads.default, args)
 
 
-def _saved_activations_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
-    spec = importlib.util.spec_from_file_location("saved_activations", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
 def test_the_product_is_no_longer_saved(recompute, monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    saved_activations = _saved_activations_module()
     monkeypatch.setattr(gated_pattern, "RECOMPUTE_FOR_DOWN_WEIGHT", recompute)
-    torch.manual_seed(0)
-    inter = 96
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=inter, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
-    model = LlamaForCausalLM(config).to(torch.bfloat16).train()
-    ids = torch.randint(0, 128, (2, 8))
-    patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
-    saved = saved_activations.saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
-    wide = [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == inter]
+    wide = saved_wide_tensors(small_llama(96).train(), 96)
     # gate and up (for the gated op's backward), and without the refinement the product too
-    assert len(wide) == (2 if recompute else 3) * 2, saved
+    assert len(wide) == (2 if recompute else 3) * 2, wide

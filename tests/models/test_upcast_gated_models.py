@@ -5,15 +5,12 @@ partitioner saves one ``[tokens, intermediate]`` tensor per layer fewer."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 import fuser
 import fuser.patterns.upcast_linear as upcast_pattern
-from tests.models.tiny import N_LAYERS, lora_model, lora_step
+from tests.models.tiny import N_LAYERS, lora_model, lora_step, saved_wide_tensors, small_llama
 
 peft = pytest.importorskip("peft")
 
@@ -63,30 +60,10 @@ def test_not_when_the_gated_op_absorbed_the_lora_sums():
     assert refined(config, since) == {}
 
 
-def _saved_activations_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
-    spec = importlib.util.spec_from_file_location("saved_activations", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
 def test_the_product_is_no_longer_saved(recompute, monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    saved_activations = _saved_activations_module()
     monkeypatch.setattr(upcast_pattern, "RECOMPUTE_GATED_INPUT", recompute)
-    torch.manual_seed(0)
-    inter = 96
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=inter, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
     lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = peft.get_peft_model(model, lora).train()
-    ids = torch.randint(0, 128, (2, 8))
-    patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
-    saved = saved_activations.saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
-    wide = [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == inter]
+    wide = saved_wide_tensors(peft.get_peft_model(small_llama(96), lora).train(), 96)
     # gate and up (for the gated op's backward), and without the refinement the product too
-    assert len(wide) == (2 if recompute else 3) * 2, saved
+    assert len(wide) == (2 if recompute else 3) * 2, wide

@@ -223,3 +223,31 @@ def lm_batch(seq: int = 16, bsz: int = 2, seed: int = 1, num_items_in_batch: boo
         # the shifted labels that count, plus some, as if this were one of several micro-batches
         data["num_items_in_batch"] = torch.tensor(int((labels[:, 1:] != -100).sum()) + 7)
     return data
+
+
+def saved_wide_tensors(model: torch.nn.Module, width: int) -> list[tuple[int, ...]]:
+    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns,
+    Inductor's partitioner) saves for the backward: ``benchmarks/saved_activations.py``'s count."""
+    import importlib.util
+    from pathlib import Path
+
+    import fuser
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
+    spec = importlib.util.spec_from_file_location("saved_activations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ids = torch.randint(0, 128, (2, 8))
+    patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
+    saved = module.saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    return [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == width]
+
+
+def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A 2-layer Llama (vocab 128, hidden 32) with a distinctive intermediate size, for counting saved tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype)
