@@ -51,10 +51,22 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
 
     class FuserPostGrad(base):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            if inplace.GATED_BACKWARD_IN_PLACE:
-                for name, rewrite_pass in (("gated_dx_accumulated", inplace.accumulate_gated_dx),
-                                           ("gated_backward_in_place", inplace.reinplace_gated_backward)):  # fmt: skip
-                    counts[name] = counts.get(name, 0) + rewrite_pass(graph)
+            for name, plan_pass, apply_pass in inplace.PASSES if inplace.GATED_BACKWARD_IN_PLACE else ():
+                try:
+                    plan = plan_pass(graph)
+                except Exception as error:
+                    # a backward graph compiles at the first backward call, outside the rewrite's fallback: a
+                    # failing analysis leaves the graph as Inductor gave it (it has not been touched)
+                    if config.strict:
+                        raise FuserError(f"fuser: the post-grad pass {name} failed: {error!r}") from error
+                    warnings.warn(
+                        f"fuser: the post-grad pass {name} failed ({error!r}); that graph keeps its out-of-place "
+                        "ops. Set FuserConfig(strict=True) to raise, and please report this.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                counts[name] = counts.get(name, 0) + apply_pass(graph, plan)
             if previous is not None:
                 previous(graph)
 

@@ -134,36 +134,46 @@ def _decline_reason(
     return None
 
 
-def reinplace_gated_backward(graph: torch.fx.Graph) -> int:
-    """Rewrite the safe ``fuser::gated_activation_backward`` calls of ``graph`` in place; the number rewritten."""
+def plan_gated_backward(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any]]]:
+    """The ``fuser::gated_activation_backward`` calls of ``graph`` that can write over g and u, with their
+    arguments; reads the graph only (the declines are logged)."""
     candidates = _calls(graph, torch.ops.fuser.gated_activation_backward.default)
     if not candidates:
-        return 0
+        return []
     order, by_storage = _storages(graph)
-    rewritten = 0
+    plan = []
     for node in candidates:
         args = _bound_args(node)
         reason = _decline_reason(node, args, order, by_storage)
         if reason is not None:
             log.debug("fuser: %s stays out of place: %s", node.name, reason)
-            continue
+        else:
+            plan.append((node, args))
+    return plan
+
+
+def apply_gated_backward(graph: torch.fx.Graph, plan: list[tuple[torch.fx.Node, dict[str, Any]]]) -> int:
+    for node, args in plan:
         with graph.inserting_before(node):
             inplace = graph.call_function(
                 torch.ops.fuser.gated_activation_backward_.default,
                 (args["dout"], args["g"], args["u"], args["gate_scale"], args["up_scale"], args["activation"]),
             )
         inplace.meta["val"] = None
-        order[inplace] = order[node]
         for user in list(node.users):
             index = user.args[1]
             if index in (0, 1):
                 user.replace_all_uses_with(args["g"] if index == 0 else args["u"])
             graph.erase_node(user)
         graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        log.info("fuser: %d gated backward(s) write their gradients over gate and up", rewritten)
-    return rewritten
+    if plan:
+        log.info("fuser: %d gated backward(s) write their gradients over gate and up", len(plan))
+    return len(plan)
+
+
+def reinplace_gated_backward(graph: torch.fx.Graph) -> int:
+    """Rewrite the safe ``fuser::gated_activation_backward`` calls of ``graph`` in place; the number rewritten."""
+    return apply_gated_backward(graph, plan_gated_backward(graph))
 
 
 def _single_add_of_dx(node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node | None, str | None]:
@@ -185,14 +195,14 @@ def _single_add_of_dx(node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.
     return add, other, None
 
 
-def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
-    """Rewrite ``add(upcast_linear_gated_grads(...)[0], y)`` into ``upcast_linear_gated_grads_acc_(y, ...)`` where
-    ``y`` can be overwritten unobserved; the number rewritten."""
+def plan_gated_dx(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any], torch.fx.Node, torch.fx.Node]]:
+    """(``upcast_linear_gated_grads`` call, its arguments, the ``add``, the summand) for each call whose dx can be
+    added into the summand; reads the graph only (the declines are logged)."""
     candidates = _calls(graph, torch.ops.fuser.upcast_linear_gated_grads.default)
     if not candidates:
-        return 0
+        return []
     order, by_storage = _storages(graph)
-    rewritten = 0
+    plan = []
     for node in candidates:
         args = _bound_args(node)
         add, other, reason = _single_add_of_dx(node) if args["need_x"] else (None, None, "dx not asked for")
@@ -204,7 +214,13 @@ def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
                 reason = _unobserved_reason("the summand", other, add, order, by_storage)
         if reason is not None:
             log.debug("fuser: %s stays out of place: %s", node.name, reason)
-            continue
+        else:
+            plan.append((node, args, add, other))
+    return plan
+
+
+def apply_gated_dx(graph: torch.fx.Graph, plan: list) -> int:
+    for node, args, add, other in plan:
         with graph.inserting_before(add):
             acc = graph.call_function(
                 torch.ops.fuser.upcast_linear_gated_grads_acc_.default,
@@ -212,7 +228,6 @@ def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
                  args["need_w"]),
             )  # fmt: skip
         acc.meta["val"] = node.meta["val"][1]
-        order[acc] = order[add]
         add.replace_all_uses_with(other)
         graph.erase_node(add)
         for user in list(node.users):
@@ -220,7 +235,20 @@ def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
                 user.replace_all_uses_with(acc)
             graph.erase_node(user)
         graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        log.info("fuser: %d down-projection dx(s) added into the base projection's gradient", rewritten)
-    return rewritten
+    if plan:
+        log.info("fuser: %d down-projection dx(s) added into the base projection's gradient", len(plan))
+    return len(plan)
+
+
+def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
+    """Rewrite ``add(upcast_linear_gated_grads(...)[0], y)`` into ``upcast_linear_gated_grads_acc_(y, ...)`` where
+    ``y`` can be overwritten unobserved; the number rewritten."""
+    return apply_gated_dx(graph, plan_gated_dx(graph))
+
+
+# what fuser's post-grad pass runs, in order: (name, plan, apply). The backend catches a failing plan (which has
+# not touched the graph) and leaves the graph as it was; the edits themselves are a few FX calls.
+PASSES = (
+    ("gated_dx_accumulated", plan_gated_dx, apply_gated_dx),
+    ("gated_backward_in_place", plan_gated_backward, apply_gated_backward),
+)

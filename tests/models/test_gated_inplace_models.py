@@ -19,6 +19,7 @@ from tests.models.tiny import N_LAYERS, batch, build, grads, lora_model, lora_st
 pytest.importorskip("peft")
 
 INDUCTOR = fuser.FuserConfig(strict=True)  # the default inner compiler
+INDUCTOR_LENIENT = fuser.FuserConfig()
 
 
 @pytest.fixture(autouse=True)
@@ -102,3 +103,26 @@ def test_gpu_checkpointed_lora_llama_step_unchanged(monkeypatch):
     monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
     off = step(INDUCTOR)
     assert_same_step(on, off)
+
+
+def _failing_plan(graph):
+    raise RuntimeError("an analysis that fails")
+
+
+def test_a_failing_pass_leaves_the_graph_and_warns(monkeypatch):
+    # the backward graph compiles at the first backward call, outside the rewrite's own fallback: the pass itself
+    # must not take the step down
+    passes = [(name, _failing_plan, apply) for name, _, apply in inplace.PASSES]
+    monkeypatch.setattr(inplace, "PASSES", tuple(passes))
+    with pytest.warns(RuntimeWarning, match="post-grad pass gated_dx_accumulated failed"):
+        loss, g = lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT)
+    assert fuser.backend(INDUCTOR_LENIENT).post_grad_counts == {}
+    torch._dynamo.reset()
+    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
+    assert_same_step((loss, g), lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT))
+
+
+def test_a_failing_pass_raises_under_strict(monkeypatch):
+    monkeypatch.setattr(inplace, "PASSES", tuple((n, _failing_plan, a) for n, _, a in inplace.PASSES))
+    with pytest.raises(Exception, match="post-grad pass gated_dx_accumulated failed"):
+        lora_step(checkpointed(lora_model()), INDUCTOR)
