@@ -432,8 +432,9 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
     if mode == "fuser":
         import fuser
 
-        result["fuser_counts"] = fuser.backend(fuser_config(args)).counts
-        result["fuser_post_grad"] = dict(fuser.backend(fuser_config(args)).post_grad_counts)
+        backend = fuser.backend(fuser_config(args))
+        result["fuser_counts"] = backend.counts
+        result["fuser_post_grad"] = dict(backend.post_grad_counts)
     if mode in ("compile", "fuser"):
         from torch._dynamo.utils import counters
 

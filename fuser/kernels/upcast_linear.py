@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, tl, triton, use_triton
+from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
 _alloc = torch.empty  # the Triton path's output buffers (tests fill them with NaN first)
@@ -381,8 +382,6 @@ GATED_RECOMPUTE_BYTES = 64 << 20
 def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) -> torch.Tensor:
     """dW = dyᵀ @ x with x = the gated product, recomputed slice by slice of rows (fp32 partial sums added in
     order: deterministic)."""
-    from fuser.kernels.gated_activation import gated_activation_forward
-
     n_cols = gate.shape[-1]
     gate2, up2 = gate.reshape(-1, n_cols), up.reshape(-1, n_cols)
     dy2 = dy.reshape(-1, dy.shape[-1])

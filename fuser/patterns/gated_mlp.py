@@ -26,7 +26,7 @@ import torch
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
-from fuser.engine.canonical import tensor_meta
+from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
@@ -277,7 +277,6 @@ def plain_gated_product(x: Any) -> tuple | None:
 # after the rewrite: a trainable down projection fed the fused product recomputes it for its weight gradient
 # (fuser/kernels/linear_gated.py) instead of saving it; False keeps the plain linear
 RECOMPUTE_FOR_DOWN_WEIGHT = True
-_LINEARS = (torch.nn.functional.linear, torch._C._nn.linear)
 
 
 def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]) -> int:
@@ -292,13 +291,10 @@ def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]
 
     n = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _LINEARS:
+        linear = canonical(node)  # F.linear / nn.Linear's call, its arguments bound by name
+        if linear is None or linear.op != "linear":
             continue
-        names = ("input", "weight", "bias")
-        if len(node.args) > 3 or set(node.kwargs) - set(names):
-            continue
-        bound = dict(zip(names, (*node.args, None, None, None), strict=False)) | dict(node.kwargs)
-        x, weight, bias = bound["input"], bound["weight"], bound["bias"]
+        x, weight, bias = linear.args
         product = plain_gated_product(x)
         if product is None:
             continue

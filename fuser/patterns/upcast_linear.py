@@ -20,6 +20,7 @@ from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, V
 from fuser.kernels.upcast_linear import HALF_DTYPES  # importing it registers torch.ops.fuser.upcast_linear
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.gated_mlp import plain_gated_product
 
 VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V("w"), OneOf(V("b"), None)))]
 
@@ -51,8 +52,6 @@ def recompute_gated_inputs(graph: torch.fx.Graph) -> int:
     ``upcast_linear_gated(x, gate, up, W, b, ...)``; returns how many."""
     if not RECOMPUTE_GATED_INPUT:
         return 0
-    from fuser.patterns.gated_mlp import plain_gated_product
-
     upcast_op = torch.ops.fuser.upcast_linear.default
     n = 0
     for node in list(graph.nodes):
