@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from collections import Counter
 
 import peft
 import torch
@@ -30,10 +31,13 @@ VIEWS = {"t", "permute", "view", "transpose", "expand", "alias", "_unsafe_view",
 BATCH, SEQ = 2, 64
 
 
-def saved_for_backward(fn, args: tuple, kwargs: dict, patterns: list) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def saved_for_backward(
+    fn, args: tuple, kwargs: dict, patterns: list, producers: list[str] | None = None
+) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of each tensor the forward of ``fn(*args, **kwargs)`` saves for the backward, as Inductor's
     partitioner (min-cut rematerialisation) chooses them after fuser's ``patterns`` rewrote the graph; graph inputs
-    and views of them (a weight's transpose) hold no memory of their own and are left out. Runs one backward."""
+    and views of them (a weight's transpose) hold no memory of their own and are left out. Runs one backward.
+    ``producers``, if given, receives the name of the op that made each saved tensor (views looked through)."""
     saved = []
 
     def forward_compiler(gm, _):
@@ -49,6 +53,8 @@ def saved_for_backward(fn, args: tuple, kwargs: dict, patterns: list) -> list[tu
             value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
             if isinstance(value, torch.Tensor) and base(node) not in inputs:
                 saved.append((value.dtype, tuple(value.shape)))
+                if producers is not None:
+                    producers.append(getattr(base(node).target, "__name__", str(base(node).target)))
         return make_boxed_func(gm.forward)
 
     inner = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
@@ -80,9 +86,10 @@ JOBS = {
 }
 
 
-def saved_bytes(mode: str, layers: int, job: str = "llama3-8b-lora") -> int:
+def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[tuple[str, torch.dtype, tuple]]:
+    """(producing op, dtype, shape) of each tensor the forward saves, for ``layers`` layers of ``job`` in ``mode``."""
     torch.manual_seed(0)
-    config = LlamaConfig(**JOBS[job][2], num_hidden_layers=layers, attn_implementation="sdpa")
+    config = LlamaConfig(**JOBS[job][2], num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     if job == "llama3-8b-lora":
         lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
@@ -93,25 +100,44 @@ def saved_bytes(mode: str, layers: int, job: str = "llama3-8b-lora") -> int:
     patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
     upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
     gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = mode != FULL_MODES[1]
+    producers: list[str] = []
     try:
-        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers)
     finally:
         upcast_pattern.RECOMPUTE_GATED_INPUT = True
         gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = True
-    return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in saved)
+    return [(op, dtype, shape) for op, (dtype, shape) in zip(producers, saved, strict=True)]
+
+
+def saved_bytes(mode: str, layers: int, job: str = "llama3-8b-lora") -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in saved_tensors(mode, layers, job))
+
+
+def saved_by_op(mode: str, job: str) -> list[tuple[str, str, tuple, int, float]]:
+    """What one layer saves, tensor by tensor: (producing op, dtype, shape, count, bytes per token), from the
+    difference between 2 layers and 1, largest first."""
+    one, two = Counter(saved_tensors(mode, 1, job)), Counter(saved_tensors(mode, 2, job))
+    rows = []
+    for (op, dtype, shape), n in two.items():
+        extra = n - one.get((op, dtype, shape), 0)
+        if extra:
+            per_token = extra * torch.Size(shape).numel() * dtype.itemsize / (BATCH * SEQ)
+            rows.append((op, str(dtype).removeprefix("torch."), shape, extra, per_token))
+    return sorted(rows, key=lambda r: -r[4])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", default="llama3-8b-lora", choices=sorted(JOBS))
     parser.add_argument("--out")
+    parser.add_argument("--by-op", action="store_true", help="also list what one layer saves under fuser, by op")
     args = parser.parse_args()
     title, n_layers, _ = JOBS[args.job]
     adapters = "bf16 base, fp32 adapters" if args.job == "llama3-8b-lora" else "bf16 weights"
     lines = [
         f"# Saved activations per layer and token: {title} (CPU, partitioner only)",
         "",
-        f"- command: `python benchmarks/saved_activations.py --job {args.job}`; "
+        f"- command: `python benchmarks/saved_activations.py --job {args.job}{' --by-op' if args.by_op else ''}`; "
         f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"- torch {torch.__version__}, peft {peft.__version__}; {adapters}; batch {BATCH}×{SEQ};"
         " one layer = (2 layers − 1 layer); graph inputs and their views not counted",
@@ -123,6 +149,16 @@ def main() -> None:
         per = (saved_bytes(mode, 2, args.job) - saved_bytes(mode, 1, args.job)) / (BATCH * SEQ)
         lines.append(f"| {mode} | {per:,.0f} | {per * n_layers * 8192 / 2**30:.2f} GiB |")
         print(lines[-1], flush=True)
+    if args.by_op:
+        lines += [
+            "",
+            f"What one layer saves under fuser (shapes at batch {BATCH}×{SEQ}):",
+            "",
+            "| producing op | dtype | shape | tensors | bytes / token |",
+            "|---|---|---|---:|---:|",
+        ]
+        for op, dtype, shape, n, per_token in saved_by_op("fuser", args.job):
+            lines.append(f"| `{op}` | {dtype} | {list(shape)} | {n} | {per_token:,.0f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
