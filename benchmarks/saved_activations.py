@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from collections import Counter
 
 import peft
@@ -69,8 +70,9 @@ def saved_for_backward(
     return saved
 
 
-MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser")
-FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser")
+GQA = "fuser with FUSER_CAUSAL_GQA=1"  # causal_attention's grouped-query fold (off by default)
+MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser", GQA)
+FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser", GQA)
 # job → (title, layers of the real model, config fields)
 JOBS = {
     "llama3-8b-lora": (
@@ -101,11 +103,17 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
     upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
     gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = mode != FULL_MODES[1]
     producers: list[str] = []
+    fold = os.environ.get("FUSER_CAUSAL_GQA")
+    os.environ["FUSER_CAUSAL_GQA"] = "1" if mode == GQA else "0"
     try:
         saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers)
     finally:
         upcast_pattern.RECOMPUTE_GATED_INPUT = True
         gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = True
+        if fold is None:
+            del os.environ["FUSER_CAUSAL_GQA"]
+        else:
+            os.environ["FUSER_CAUSAL_GQA"] = fold
     return [(op, dtype, shape) for op, (dtype, shape) in zip(producers, saved, strict=True)]
 
 

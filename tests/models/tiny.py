@@ -225,21 +225,26 @@ def lm_batch(seq: int = 16, bsz: int = 2, seed: int = 1, num_items_in_batch: boo
     return data
 
 
-def saved_wide_tensors(model: torch.nn.Module, width: int) -> list[tuple[int, ...]]:
-    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns,
-    Inductor's partitioner) saves for the backward: ``benchmarks/saved_activations.py``'s count."""
+def load_saved_activations():
+    """``benchmarks/saved_activations.py`` as a module (what the forward saves under Inductor's partitioner)."""
     import importlib.util
     from pathlib import Path
-
-    import fuser
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
     spec = importlib.util.spec_from_file_location("saved_activations", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def saved_wide_tensors(model: torch.nn.Module, width: int) -> list[tuple[int, ...]]:
+    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns,
+    Inductor's partitioner) saves for the backward: ``benchmarks/saved_activations.py``'s count."""
+    import fuser
+
     ids = torch.randint(0, 128, (2, 8))
     patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
-    saved = module.saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    saved = load_saved_activations().saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
     return [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == width]
 
 
