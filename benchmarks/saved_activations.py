@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 from collections import Counter
 
@@ -88,8 +89,10 @@ JOBS = {
 }
 
 
+@functools.cache
 def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[tuple[str, torch.dtype, tuple]]:
-    """(producing op, dtype, shape) of each tensor the forward saves, for ``layers`` layers of ``job`` in ``mode``."""
+    """(producing op, dtype, shape) of each tensor the forward saves, for ``layers`` layers of ``job`` in ``mode``
+    (cached: ``--by-op`` reads the same runs as the table)."""
     torch.manual_seed(0)
     config = LlamaConfig(**JOBS[job][2], num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

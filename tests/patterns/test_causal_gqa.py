@@ -151,8 +151,9 @@ def test_llama_step_the_same_and_saves_the_unexpanded_kv(monkeypatch):
         return sorted(shape for _, shape in saved if len(shape) == 4 and shape[-1] == 16)  # head_dim 16
 
     # per layer (2 layers): q's 4 heads saved either way; k and v as 4-head copies without the fold, 2-head with it
-    assert [s[1] for s in kv_sized("0")].count(4) >= [s[1] for s in kv_sized("1")].count(4) + 4
-    assert [s[1] for s in kv_sized("1")].count(2) >= 4
+    heads_unfolded, heads_folded = ([s[1] for s in kv_sized(fold)] for fold in "01")
+    assert heads_unfolded.count(4) >= heads_folded.count(4) + 4
+    assert heads_folded.count(2) >= 4
 
 
 @pytest.mark.gpu

@@ -4,15 +4,13 @@ instead of its fp32 copy."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fuser
 from fuser.patterns import PATTERNS
+from tests.models.tiny import load_saved_activations
 
 STRICT = fuser.FuserConfig(patterns=("upcast_linear",), inner_compiler="aot_eager", strict=True)
 N_IN, N_OUT, R = 64, 48, 8
@@ -55,11 +53,7 @@ def test_lora_a_is_matched_and_trains_the_same(dtype, gen):
 
 def saved_activations(fn, args, patterns):
     """What the forward saves for the backward under Inductor's partitioner (benchmarks/saved_activations.py)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
-    spec = importlib.util.spec_from_file_location("saved_activations", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.saved_for_backward(fn, args, {}, patterns)
+    return load_saved_activations().saved_for_backward(fn, args, {}, patterns)
 
 
 def test_the_partitioner_saves_bf16_not_its_fp32_copy(gen):
