@@ -1,4 +1,5 @@
-"""When the fused ops take their Triton path, the Triton import itself, and the reference compute dtype.
+"""When the fused ops take their Triton path, the Triton import itself, the reference compute dtype, and the
+dtype check every public op makes of its tensor arguments.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except
 when ``TRITON_INTERPRET=1`` and ``FUSER_CPU_TRITON=1`` are both set: then the Triton kernels run through
@@ -23,6 +24,31 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class DtypeError(ValueError, NotImplementedError):
+    """A tensor argument of a dtype the op has no kernel for (integer, bool, complex).
+
+    A ``ValueError`` (a bad argument) that is also the ``NotImplementedError`` (a ``RuntimeError``) eager raises for
+    the same input where eager raises one: ``F.rms_norm``, ``F.silu`` and ``F.gelu`` on an integer tensor give
+    ``NotImplementedError: "silu_cpu" not implemented for 'Long'``, a matmul of an integer with a float tensor a
+    ``RuntimeError``; so an ``except`` written for eager's error catches fuser's too. Where eager computes
+    something for integers (``F.linear(x.to(w.dtype), w)`` of an integer ``x``, an integer weight of
+    ``F.rms_norm``), the fused op still refuses: none of its kernels is written for integers.
+    """
+
+
+def check_floating(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise :class:`DtypeError` for the first named tensor that is not floating point (``None`` is skipped).
+
+    A dtype test only: no device synchronisation, no cost on the hot path.
+    """
+    for name, t in tensors.items():
+        if t is not None and not t.is_floating_point():
+            raise DtypeError(
+                f"fuser: {op} expects a floating-point {name} (float32, bfloat16 or float16), got {t.dtype}; "
+                f"cast it first (e.g. {name}.float())"
+            )
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

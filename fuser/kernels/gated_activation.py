@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -66,6 +66,7 @@ def _check_inputs(
     activation: str,
 ) -> None:
     _check_activation(activation)
+    check_floating("gated_activation", gate=gate)  # F.silu / F.gelu raise NotImplementedError for integers
     named = [("gate", gate), ("up", up), ("gate_lora", gate_lora), ("up_lora", up_lora)]
     for name, t in named[1:]:
         if t is None:
@@ -85,6 +86,7 @@ def _check_inputs(
 
 def _check_packed(gate_up: torch.Tensor, gate_up_lora: torch.Tensor | None, activation: str) -> None:
     _check_activation(activation)
+    check_floating("gated_activation_packed", gate_up=gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2 != 0:
         raise ValueError(
             "fuser: gated_activation_packed expects gate_up with an even last dim (gate and up halves), "
@@ -861,11 +863,13 @@ def gated_activation(
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` (Llama, Mistral, Qwen MLPs), fused, with autograd."""
+    check_floating("swiglu", gate=gate, up=up)
     return gated_activation(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` (Gemma: ``"tanh"``), fused, with autograd."""
+    check_floating("geglu", gate=gate, up=up)
     if approximate not in ("tanh", "none"):
         raise ValueError(f"fuser: geglu expects approximate 'tanh' or 'none' (as F.gelu), got {approximate!r}")
     return gated_activation(gate, up, "gelu_tanh" if approximate == "tanh" else "gelu")

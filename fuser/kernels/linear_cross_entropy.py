@@ -34,8 +34,11 @@ share with a Triton kernel that reads the running sum's tile before its matmul i
 shape: 1.64 / 2.64 / 2.71 ms per chunk at best against ``addmm_``'s 1.24 / 1.79 / 1.90 (whole op 64.8 vs 54.0 ms
 at 8192×2304×256000), so it stays off; kept as a measured alternative.
 
-Labels outside ``[0, V)`` that are not ``ignore_index`` give a NaN loss for their row (PyTorch raises; an op
-that must not synchronise cannot).
+Labels outside ``[0, V)`` that are not ``ignore_index``: on CPU the op raises what ``F.cross_entropy`` raises
+there (``IndexError: Target 256 is out of bounds.``), after a host check of the labels. On a GPU it does not
+check (that would synchronise; eager's CUDA kernel fails with a device-side assert): such a row's loss is NaN,
+hence the mean or sum is NaN, its gradient ``c · softmax`` without the one-hot term, and the kernel never reads
+outside the row (the label's gather is masked).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import os
 
 import torch
 
-from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
@@ -86,6 +89,7 @@ def dweight_accumulator(weight: torch.Tensor) -> str:
 def _check(hidden, weight, bias, labels, reduction) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"fuser: linear_cross_entropy reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_floating("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"fuser: linear_cross_entropy expects weight [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
@@ -108,6 +112,24 @@ def _check(hidden, weight, bias, labels, reduction) -> None:
             f"fuser: linear_cross_entropy expects hidden and weight of one dtype, got {hidden.dtype} and "
             f"{weight.dtype}; cast first"
         )
+
+
+def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """On CPU, raise eager's ``IndexError: Target 256 is out of bounds.`` (``F.cross_entropy`` / ``nll_loss``: the
+    first such label in row order) for a label outside ``[0, vocab)`` that is not ``ignore_index``.
+
+    CPU tensors only: there the check is one pass over the labels on the host, next to the op's matmuls. On a
+    GPU it would be a device-to-host synchronisation inside the op (DESIGN.md forbids it; eager's CUDA kernel
+    raises a device-side assert instead): there such a row's loss is NaN, so the mean or sum is NaN, and its
+    logits' gradient is ``c · softmax`` (no one-hot term; finite). The kernel masks the label's gather, so it
+    never reads outside the row.
+    """
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        first = labels.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]]
+        raise IndexError(f"Target {int(first)} is out of bounds.")
 
 
 def _grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,6 +504,7 @@ def linear_cross_entropy_op(
     """(loss, dhidden, dweight, dbias, grad_scale): the gradients for grad_output = 1 once multiplied by the fp32
     0-dim ``grad_scale`` (1, except for fp16: 1/n_valid under "mean"), 0-element where not asked for."""
     _check(hidden, weight, bias, labels, reduction)
+    _check_label_range(labels, weight.shape[0], ignore_index)
     triton_path = use_triton(hidden) and triton_supports(hidden)
     return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
                             grad_hidden, grad_weight, grad_bias and bias is not None, triton_path)  # fmt: skip

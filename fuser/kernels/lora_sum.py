@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from fuser.kernels import upcast_linear as U
-from fuser.kernels._triton import HALF_DTYPES
+from fuser.kernels._triton import HALF_DTYPES, check_floating
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+    check_floating("lora_sum", base=base, a=a, weight=weight)
     if weight.dim() != 2 or a.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"fuser: lora_sum expects weight [out, rank] with rank = a.shape[-1] = {a.shape[-1]}, "
@@ -43,8 +44,6 @@ def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
             f"fuser: lora_sum expects base of shape {(*a.shape[:-1], weight.shape[0])} (a's rows × weight's "
             f"outputs), got {tuple(base.shape)}"
         )
-    if not (base.is_floating_point() and a.is_floating_point() and weight.is_floating_point()):
-        raise ValueError(f"fuser: lora_sum expects floating-point tensors, got {base.dtype}, {a.dtype}, {weight.dtype}")
 
 
 def triton_path(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bool:

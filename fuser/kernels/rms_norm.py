@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, compute_dtype, num_programs_for, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, num_programs_for, tl, triton, use_triton
 
 # ---------------------------------------------------------------------------------------------------------
 # Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
@@ -336,6 +336,7 @@ def rms_norm_op(
     out_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, rstd); rstd (fp32, ``x.shape[:-1]``) is what backward needs besides x and the weight."""
+    check_floating("rms_norm", x=x, weight=weight)
     if use_triton(x) and triton_supports(x):
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd), rstd
@@ -409,8 +410,10 @@ def rms_norm(
 
     ``offset=1.0`` gives Gemma's ``1 + weight``; ``norm_dtype`` rounds the normalised value before the weight
     multiply (Llama casts to the input dtype there); the result has ``out_dtype`` (default: ``x.dtype``).
-    Statistics are computed in fp32 whatever the input dtype.
+    Statistics are computed in fp32 whatever the input dtype. x and the weight must be floating point
+    (:class:`~fuser.kernels._triton.DtypeError` otherwise, as ``F.rms_norm`` raises for an integer x).
     """
+    check_floating("rms_norm", x=x, weight=weight)
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
         raise ValueError(
             f"fuser: rms_norm expects a 1-D weight of size {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}"
