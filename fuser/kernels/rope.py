@@ -21,6 +21,13 @@ Backward is the transposed rotation, with the same cos/sin (y is linear in x; no
     dx[b] = dy[o]·cos[o] − dy[p]·sin[p]
     dx[c] = dy[c]                                   (c ≥ R, pass-through)
 
+Dtypes: q, k, cos and sin may each be fp32, bf16 or fp16 (fp64 on the reference path, the test oracle); the
+maths runs in fp32 and the results are stored in ``out_dtype`` (None: each in its input's dtype). The pattern
+passes the dtype eager's type promotion gives the matched block: bf16 q/k from an autocast linear rotated by fp32
+cos/sin give fp32 (HF Trainer ``bf16=True`` with fp32 master weights), a wider input may also be rounded once to a
+narrower ``out_dtype``. The gradients dq and dk come back in q's and k's own dtypes (autograd wants a gradient in
+its input's dtype), computed from incoming gradients of ``out_dtype``.
+
 Forward saves cos and sin only (never rotated copies of q or k). Both directions are one elementwise kernel over
 tiles of [heads, pairs] of one token: the program grid runs over (token, head block), the head blocks of q first
 and then those of k, so q and k are rotated in the same launch; each program loads its token's cos/sin once.
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.kernels._triton import HAS_TRITON, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, DtypeError, check_floating, compute_dtype, tl, triton, use_triton
 
 LAYOUTS = ("half", "interleaved", "pairs_to_halves")
 # (input pairs interleaved, output pairs interleaved) per layout: halves (x[i], x[i+h]) otherwise
@@ -53,11 +60,33 @@ def _has_heads(k: torch.Tensor | None) -> bool:
     return k is not None and k.numel() > 0
 
 
+def _check_dtype_arg(name: str, dtype: torch.dtype | None) -> None:
+    """A requested result dtype: None, or a floating-point ``torch.dtype``."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return
+    error = DtypeError if isinstance(dtype, torch.dtype) else TypeError
+    raise error(
+        f"fuser: rope expects {name} to be None or a floating-point dtype (torch.float32, torch.bfloat16 or "
+        f"torch.float16), got {dtype!r}"
+    )
+
+
 def _check_inputs(
-    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, layout: str
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    **dtypes: torch.dtype | None,
 ) -> None:
-    """Shapes, dtypes and devices; ``q``/``k`` may equally be the gradients dq_out/dk_out."""
+    """Shapes, dtypes and devices; ``q``/``k`` may equally be the gradients dq_out/dk_out; ``dtypes``: the
+    requested result dtypes by argument name (``out_dtype=...``)."""
     _check_layout(layout)
+    # first, so an integer tensor is named for what it is rather than failing a shape check
+    check_floating("rope", q=q, k=k, cos=cos, sin=sin)
+    for name, dtype in dtypes.items():
+        _check_dtype_arg(name, dtype)
     if q.dim() != 4:
         raise ValueError(f"fuser: rope expects q of shape [batch, heads, seq, head_dim], got {tuple(q.shape)}")
     batch, _, seq_len, head_dim = q.shape
@@ -69,8 +98,6 @@ def _check_inputs(
             f"head_dim), got {tuple(k.shape)}"
         )
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if t is not None and not t.is_floating_point():
-            raise ValueError(f"fuser: rope expects a floating-point {name}, got {t.dtype}")
         if t is not None and t.device != q.device:
             raise ValueError(f"fuser: rope expects {name} on q's device {q.device}, got {t.device}")
     for name, t in (("cos", cos), ("sin", sin)):
@@ -111,13 +138,21 @@ def _join(first: torch.Tensor, second: torch.Tensor, interleaved: bool) -> torch
 
 
 def _rotate_reference(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, layout: str, backward: bool
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    backward: bool,
+    out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """One tensor through the module docstring's formulas (forward, or the transposed rotation for backward)."""
+    """One tensor through the module docstring's formulas (forward, or the transposed rotation for backward),
+    computed in fp32 (fp64 when any operand is fp64) and returned in ``out_dtype`` (None: x's dtype)."""
+    out_dtype = out_dtype or x.dtype
     if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return torch.empty(x.shape, dtype=out_dtype, device=x.device)
     in_pairs, out_pairs = _PAIRING[layout]
-    compute = compute_dtype(x)
+    compute = max((compute_dtype(t) for t in (x, cos, sin)), key=lambda d: d.itemsize)
     xc = x.to(compute)
     cos_p, cos_o = _split(cos.to(compute), rotary_dim, out_pairs)  # cos at the output channels p and o
     sin_p, sin_o = _split(sin.to(compute), rotary_dim, out_pairs)
@@ -129,8 +164,8 @@ def _rotate_reference(
         # y[p] = x[a]·cos[p] − x[b]·sin[p];  y[o] = x[b]·cos[o] + x[a]·sin[o]
         x_a, x_b = _split(xc, rotary_dim, in_pairs)
         rotated = _join(x_a * cos_p - x_b * sin_p, x_b * cos_o + x_a * sin_o, out_pairs)
-    # the pass-through channels are copied as they are
-    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1).contiguous()
+    # the pass-through channels are copied as they are (only converted to out_dtype)
+    return torch.cat((rotated.to(out_dtype), x[..., rotary_dim:].to(out_dtype)), dim=-1).contiguous()
 
 
 def rope_reference_forward(
@@ -140,12 +175,14 @@ def rope_reference_forward(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q_out, k_out) in fp32 (fp64 for fp64 inputs), returned contiguous in q's / k's dtype; ``cos``/``sin``
-    4-D, broadcastable to ``[B, 1, T, rotary_dim]``. ``k`` None gives None; a 0-element k an empty k_out."""
-    _check_inputs(q, k, cos, sin, rotary_dim, layout)
-    q_out = _rotate_reference(q, cos, sin, rotary_dim, layout, backward=False)
-    k_out = None if k is None else _rotate_reference(k, cos, sin, rotary_dim, layout, backward=False)
+    """(q_out, k_out) in fp32 (fp64 for fp64 inputs), returned contiguous in ``out_dtype`` (None: q's / k's
+    dtype); ``cos``/``sin`` 4-D, broadcastable to ``[B, 1, T, rotary_dim]``. ``k`` None gives None; a 0-element
+    k an empty k_out."""
+    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
+    q_out = _rotate_reference(q, cos, sin, rotary_dim, layout, False, out_dtype)
+    k_out = None if k is None else _rotate_reference(k, cos, sin, rotary_dim, layout, False, out_dtype)
     return q_out, k_out
 
 
@@ -156,12 +193,15 @@ def rope_reference_backward(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    dq_dtype: torch.dtype | None = None,
+    dk_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The hand-written backward (not autograd of the forward): (dq, dk), the transposed rotation of the
-    incoming gradients with the forward's cos/sin; dk is None when ``dk_out`` is."""
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
-    dq = _rotate_reference(dq_out, cos, sin, rotary_dim, layout, backward=True)
-    dk = None if dk_out is None else _rotate_reference(dk_out, cos, sin, rotary_dim, layout, backward=True)
+    incoming gradients with the forward's cos/sin, in ``dq_dtype`` / ``dk_dtype`` (q's and k's dtypes; None:
+    the incoming gradient's); dk is None when ``dk_out`` is."""
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
+    dq = _rotate_reference(dq_out, cos, sin, rotary_dim, layout, True, dq_dtype)
+    dk = None if dk_out is None else _rotate_reference(dk_out, cos, sin, rotary_dim, layout, True, dk_dtype)
     return dq, dk
 
 
@@ -399,9 +439,16 @@ def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(0 if t.shape[dim] == 1 else t.stride(dim) for dim in (0, 2, 3))
 
 
-def triton_supports(*tensors: torch.Tensor | None) -> bool:
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    return HAS_TRITON and all(t is None or t.numel() == 0 or t.dtype in dtypes for t in tensors)
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_supports(*tensors: torch.Tensor | None, out_dtypes: tuple[torch.dtype | None, ...] = ()) -> bool:
+    """The kernels load and store fp32, fp16 and bf16 (each tensor its own); fp64 takes the reference path."""
+    return (
+        HAS_TRITON
+        and all(t is None or t.numel() == 0 or t.dtype in _TRITON_DTYPES for t in tensors)
+        and all(d is None or d in _TRITON_DTYPES for d in out_dtypes)
+    )
 
 
 def _launch(
@@ -451,12 +498,17 @@ def _launch(
     )
 
 
-def _new_out(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """A contiguous result of ``t``'s shape and dtype, or the caller's ``out`` buffer after checking it."""
+def _new_out(t: torch.Tensor, dtype: torch.dtype | None, out: torch.Tensor | None) -> torch.Tensor:
+    """A contiguous result of ``t``'s shape in ``dtype`` (None: t's), or the caller's ``out`` buffer after
+    checking it."""
+    dtype = dtype or t.dtype
     if out is None:
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    if out.shape != t.shape:
-        raise ValueError(f"fuser: rope expects an out buffer of shape {tuple(t.shape)}, got {tuple(out.shape)}")
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    if out.shape != t.shape or out.dtype != dtype:
+        raise ValueError(
+            f"fuser: rope expects an out buffer of shape {tuple(t.shape)} and dtype {dtype}, got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
     return out
 
 
@@ -467,14 +519,17 @@ def rope_forward_triton(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    out_dtype: torch.dtype | None = None,
+    *,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel: (q_out, k_out), k_out None when k is. ``q_out``/``k_out`` (q's / k's shape,
-    any strides) let tests pre-fill the results with NaN; q and k are read in place through their strides."""
-    _check_inputs(q, k, cos, sin, rotary_dim, layout)
-    q_out = _new_out(q, q_out)
-    k_out = None if k is None else _new_out(k, k_out)
+    """Launch the forward kernel: (q_out, k_out) in ``out_dtype`` (None: q's / k's dtype), k_out None when k is.
+    ``q_out``/``k_out`` (q's / k's shape, any strides) let tests pre-fill the results with NaN; q and k are read
+    in place through their strides."""
+    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
+    q_out = _new_out(q, out_dtype, q_out)
+    k_out = None if k is None else _new_out(k, out_dtype, k_out)
     _launch(q, k, q_out, k_out, cos, sin, rotary_dim, layout, backward=False)
     return q_out, k_out
 
@@ -486,13 +541,17 @@ def rope_backward_triton(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    dq_dtype: torch.dtype | None = None,
+    dk_dtype: torch.dtype | None = None,
+    *,
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel: (dq, dk), dk None when dk_out is; ``dq``/``dk`` as ``q_out``/``k_out``."""
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
-    dq = _new_out(dq_out, dq)
-    dk = None if dk_out is None else _new_out(dk_out, dk)
+    """Launch the backward kernel: (dq, dk) in ``dq_dtype`` / ``dk_dtype`` (None: the incoming gradient's), dk
+    None when dk_out is; ``dq``/``dk`` as ``q_out``/``k_out``."""
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
+    dq = _new_out(dq_out, dq_dtype, dq)
+    dk = None if dk_out is None else _new_out(dk_out, dk_dtype, dk)
     _launch(dq_out, dk_out, dq, dk, cos, sin, rotary_dim, layout, backward=True)
     return dq, dk
 
@@ -510,17 +569,19 @@ def rope_op(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out), contiguous; a 0-element k means "rotate q only" and gives a 0-element k_out."""
-    if use_triton(q) and triton_supports(q, k, cos, sin):
-        return rope_forward_triton(q, k, cos, sin, rotary_dim, layout)
-    return rope_reference_forward(q, k, cos, sin, rotary_dim, layout)
+    """(q_out, k_out), contiguous, in ``out_dtype`` (None: q's / k's dtype); a 0-element k means "rotate q
+    only" and gives a 0-element k_out."""
+    if use_triton(q) and triton_supports(q, k, cos, sin, out_dtypes=(out_dtype,)):
+        return rope_forward_triton(q, k, cos, sin, rotary_dim, layout, out_dtype)
+    return rope_reference_forward(q, k, cos, sin, rotary_dim, layout, out_dtype)
 
 
 @rope_op.register_fake
-def _(q, k, cos, sin, rotary_dim, layout):
-    _check_inputs(q, k, cos, sin, rotary_dim, layout)
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+def _(q, k, cos, sin, rotary_dim, layout, out_dtype=None):
+    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
+    return q.new_empty(q.shape, dtype=out_dtype or q.dtype), k.new_empty(k.shape, dtype=out_dtype or k.dtype)
 
 
 @torch.library.custom_op("fuser::rope_backward", mutates_args=())
@@ -531,24 +592,32 @@ def rope_backward_op(
     sin: torch.Tensor,
     rotary_dim: int,
     layout: str,
+    dq_dtype: torch.dtype | None = None,
+    dk_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dk), contiguous; a 0-element dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
-    if use_triton(dq_out) and triton_supports(dq_out, dk_out, cos, sin):
-        return rope_backward_triton(dq_out, dk_out, cos, sin, rotary_dim, layout)
-    return rope_reference_backward(dq_out, dk_out, cos, sin, rotary_dim, layout)
+    """(dq, dk), contiguous, in ``dq_dtype`` / ``dk_dtype`` (None: dq_out's / dk_out's dtype); a 0-element
+    dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
+    if use_triton(dq_out) and triton_supports(dq_out, dk_out, cos, sin, out_dtypes=(dq_dtype, dk_dtype)):
+        return rope_backward_triton(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
+    return rope_reference_backward(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
 
 
 @rope_backward_op.register_fake
-def _(dq_out, dk_out, cos, sin, rotary_dim, layout):
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout)
-    return dq_out.new_empty(dq_out.shape), dk_out.new_empty(dk_out.shape)
+def _(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=None, dk_dtype=None):
+    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
+    return (
+        dq_out.new_empty(dq_out.shape, dtype=dq_dtype or dq_out.dtype),
+        dk_out.new_empty(dk_out.shape, dtype=dk_dtype or dk_out.dtype),
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    _, _, cos, sin, rotary_dim, layout = inputs
+    q, k, cos, sin, rotary_dim, layout = inputs[:6]
     # cos and sin are all backward needs: the rotation is linear in q and k
     ctx.save_for_backward(cos, sin)
     ctx.rotary_dim, ctx.layout = rotary_dim, layout
+    # the gradients go back in q's and k's own dtypes, whatever out_dtype the outputs (and their gradients) have
+    ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
     ctx.set_materialize_grads(False)
 
 
@@ -556,19 +625,21 @@ def _backward(ctx, dq_out, dk_out):
     cos, sin = ctx.saved_tensors
     need_dq = ctx.needs_input_grad[0] and dq_out is not None
     need_dk = ctx.needs_input_grad[1] and dk_out is not None
+    no_grads = (None,) * 7
     if not (need_dq or need_dk):
-        return None, None, None, None, None, None
+        return no_grads
     # a gradient not wanted (or of an unused output) goes in as a 0-element tensor: its heads are skipped; the
     # op treats its two tensors alike, so k's gradient alone goes through q's slot
     empty = cos.new_empty(0)
+    rotary_dim, layout = ctx.rotary_dim, ctx.layout
     if need_dq:
         dq, dk = torch.ops.fuser.rope_backward(
-            dq_out, dk_out if need_dk else empty, cos, sin, ctx.rotary_dim, ctx.layout
+            dq_out, dk_out if need_dk else empty, cos, sin, rotary_dim, layout, ctx.q_dtype, ctx.k_dtype
         )
     else:
-        dq, (dk, _) = None, torch.ops.fuser.rope_backward(dk_out, empty, cos, sin, ctx.rotary_dim, ctx.layout)
+        dq, (dk, _) = None, torch.ops.fuser.rope_backward(dk_out, empty, cos, sin, rotary_dim, layout, ctx.k_dtype)
     # no gradient for cos and sin (the functional refuses cos/sin that require one)
-    return dq, (dk if need_dk else None), None, None, None, None
+    return (dq, (dk if need_dk else None), *no_grads[2:])
 
 
 rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -598,15 +669,22 @@ def rope(
     *,
     rotary_dim: int | None = None,
     layout: str = "half",
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary position embedding of q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` (or None), fused, with autograd.
 
     ``cos``/``sin``: ``[B | 1, T, R]`` (HF's rotary embedding output; unsqueezed on dim 1 here) or 4-D
-    broadcastable to ``[B, 1, T, R]``, in fp32 or the inputs' dtype. ``rotary_dim`` defaults to R; channels
-    from it on pass through. ``layout``: ``"half"`` (``rotate_half``), ``"interleaved"`` (GLM) or
+    broadcastable to ``[B, 1, T, R]``. q, k, cos and sin may each be fp32, bf16 or fp16. ``rotary_dim`` defaults
+    to R; channels from it on pass through. ``layout``: ``"half"`` (``rotate_half``), ``"interleaved"`` (GLM) or
     ``"pairs_to_halves"`` (DeepSeek); see the module docstring. The maths runs in fp32; q_out and k_out are
-    contiguous, in q's / k's dtype. No gradient flows to cos and sin.
+    contiguous, in ``out_dtype`` (None: q's / k's dtype; eager's ``q * cos + rotate_half(q) * sin`` gives
+    ``torch.promote_types(q.dtype, cos.dtype)``). q.grad and k.grad come back in q's and k's dtypes. No gradient
+    flows to cos and sin.
     """
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"fuser: rope expects {name} to be a tensor, got {type(t).__name__}")
+    _check_dtype_arg("out_dtype", out_dtype)
     if cos.requires_grad or sin.requires_grad:
         raise ValueError(
             "fuser: rope computes no gradient for cos/sin, but cos or sin requires grad; pass cos.detach() and "
@@ -614,5 +692,6 @@ def rope(
         )
     cos, sin = _as_4d(cos, "cos"), _as_4d(sin, "sin")
     rotary_dim = cos.shape[-1] if rotary_dim is None else int(rotary_dim)
-    q_out, k_out = torch.ops.fuser.rope(q, k if k is not None else q.new_empty(0), cos, sin, rotary_dim, layout)
+    k_or_empty = k if k is not None else q.new_empty(0)
+    q_out, k_out = torch.ops.fuser.rope(q, k_or_empty, cos, sin, rotary_dim, layout, out_dtype)
     return q_out, (k_out if k is not None else None)

@@ -6,6 +6,9 @@
                       (cos/sin repeat-interleaved by the model), also partial
 
 cos and sin are whatever the model computed (``attention_scaling`` included) and broadcast ``[B|1, 1, T, R]``.
+The result dtype is eager's type promotion of x and cos/sin, passed to the op as ``out_dtype``: under autocast
+with fp32 master weights (HF Trainer ``bf16=True``) the projections give bf16 q/k, the rotary embedding fp32
+cos/sin, and the rotation an fp32 result; the op reads both as they are and computes in fp32.
 q and k of one attention layer rotated by the same cos/sin become one fused op (counted once); a tensor whose
 partner does not share cos/sin is rotated by the same op alone.
 
@@ -94,12 +97,16 @@ def check_complex_rope(found: Found) -> Replacement:
     head_dim = xt.shape[-1]
     if ft.dtype != torch.complex64 or ft.dim() != 3 or ft.shape[-1] != head_dim // 2 or ft.requires_grad:
         raise Decline(f"rotations of shape {tuple(ft.shape)} {ft.dtype} are not complex64 [B|1, T, {head_dim // 2}]")
-    if xt.dtype not in FLOAT_DTYPES or out.dtype != xt.dtype:
-        raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype}")
+    if xt.dtype not in FLOAT_DTYPES:
+        raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
+    # the product is complex64 (fp32 parts) whatever x was: its result, or the explicit cast of it, is rounded
+    # once to the output dtype, which the op does too
+    if out.dtype not in FLOAT_DTYPES:
+        raise Decline(f"result dtype {out.dtype} is not one the fused op writes ({_dtype_names()})")
     cos, sin = InterleavedFromComplex(b["freqs"], 0), InterleavedFromComplex(b["freqs"], 1)
     return Replacement(
         torch.ops.fuser.rope.default,
-        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, "interleaved"),
+        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, "interleaved", out.dtype),
         output_index=0,
         transpose_outputs_12=True,
     )
@@ -134,20 +141,36 @@ def check_rope(found: Found, variant: Variant) -> Replacement:
             )
         if not (isinstance(t.shape[1], int) and t.shape[1] == 1):
             raise Decline(f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R]")
-        if t.dtype not in FLOAT_DTYPES or t.requires_grad:
-            raise Decline(f"{name} must be a float tensor without gradient (got {t.dtype}, grad={t.requires_grad})")
+        if t.dtype not in FLOAT_DTYPES:
+            raise Decline(f"{name} is {t.dtype}: the fused op reads {name} of {_dtype_names()}")
+        if t.requires_grad:
+            raise Decline(f"{name} requires grad (trained rotary frequencies): the fused op computes none for it")
+    if xt.dtype not in FLOAT_DTYPES:
+        raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
+    # eager's x*cos + rotate(x)*sin promotes: bf16 q (an autocast linear) and fp32 cos/sin give fp32. Every
+    # intermediate is at least as wide as its inputs, so the op (fp32 maths, one rounding to out_dtype) is no
+    # less accurate; any other result dtype means a cast the op does not reproduce
+    cos_dtype, sin_dtype = tensor_meta(b["cos"]).dtype, tensor_meta(b["sin"]).dtype
+    promoted = torch.promote_types(torch.promote_types(xt.dtype, cos_dtype), sin_dtype)
     out = tensor_meta(found.root)
-    if xt.dtype not in FLOAT_DTYPES or out.dtype != xt.dtype:
-        raise Decline(f"result dtype {out.dtype} differs from the input's {xt.dtype} (cos/sin of a wider dtype)")
+    if out.dtype != promoted:
+        raise Decline(
+            f"result dtype {out.dtype} is not {promoted}, the promotion of the input's {xt.dtype} and cos/sin's "
+            f"{cos_dtype}/{sin_dtype}: a cast inside the rotation that the fused op does not reproduce"
+        )
     if pairs_to_halves:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
         layout, cos, sin = "pairs_to_halves", RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         layout, cos, sin = ("interleaved" if variant.name.startswith("interleaved") else "half"), b["cos"], b["sin"]
     return Replacement(
         torch.ops.fuser.rope.default,
-        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, layout),
+        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, layout, out.dtype),
         output_index=0,
     )
+
+
+def _dtype_names() -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
 
 
 def combine_q_and_k(matches: list) -> list:

@@ -110,29 +110,41 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
-def run_triton(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout):
-    """Forward and backward launchers with NaN-poisoned outputs: (q_out, k_out, dq, dk)."""
-    q_out, k_out = rope_forward_triton(q, k, cos, sin, rotary_dim, layout, q_out=poisoned(q), k_out=poisoned(k))
-    dq, dk = rope_backward_triton(dq_out, dk_out, cos, sin, rotary_dim, layout, dq=poisoned(q), dk=poisoned(k))
+def poisoned_as(like: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A NaN-filled buffer of ``like``'s shape in ``dtype`` (None: like's dtype)."""
+    return None if like is None else poisoned(like.to(dtype or like.dtype))
+
+
+def run_triton(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, out_dtype=None):
+    """Forward and backward launchers with NaN-poisoned outputs: (q_out, k_out, dq, dk); the forward writes
+    ``out_dtype`` (None: q's / k's), the backward q's and k's dtypes."""
+    q_out, k_out = rope_forward_triton(
+        q, k, cos, sin, rotary_dim, layout, out_dtype, q_out=poisoned_as(q, out_dtype), k_out=poisoned_as(k, out_dtype)
+    )
+    dq_dtype, dk_dtype = q.dtype, None if k is None else k.dtype
+    dq, dk = rope_backward_triton(
+        dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype, dq=poisoned(q), dk=poisoned(k)
+    )
     return q_out, k_out, dq, dk
 
 
-def check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, tol=None):
+def check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, tol=None, out_dtype=None):
+    """The launchers vs the fp64 reference. ``dq_out``/``dk_out`` are the gradients of the outputs (of
+    ``out_dtype``); the forward is judged at ``out_dtype``'s tolerance, each gradient at its input's."""
     inputs = [t.clone() if t is not None else None for t in (q, k, cos, sin, dq_out, dk_out)]
-    q_out, k_out, dq, dk = run_triton(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout)
+    q_out, k_out, dq, dk = run_triton(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, out_dtype)
     cos64, sin64 = fp64(cos), fp64(sin)
     q_ref, k_ref = rope_reference_forward(fp64(q), fp64(k), cos64, sin64, rotary_dim, layout)
     dq_ref, dk_ref = rope_reference_backward(fp64(dq_out), fp64(dk_out), cos64, sin64, rotary_dim, layout)
-    tol = tol or TOLERANCE[q.dtype]
-    assert q_out.dtype == q.dtype and dq.dtype == q.dtype
-    assert_close("q_out", q_out, q_ref, tol)
-    assert_close("dq", dq, dq_ref, tol)
+    assert q_out.dtype == (out_dtype or q.dtype) and dq.dtype == q.dtype
+    assert_close("q_out", q_out, q_ref, tol or TOLERANCE[q_out.dtype])
+    assert_close("dq", dq, dq_ref, tol or TOLERANCE[q.dtype])
     if k is None:
         assert k_out is None and dk is None
     else:
-        assert k_out.dtype == k.dtype and dk.dtype == k.dtype
-        assert_close("k_out", k_out, k_ref, tol)
-        assert_close("dk", dk, dk_ref, tol)
+        assert k_out.dtype == (out_dtype or k.dtype) and dk.dtype == k.dtype
+        assert_close("k_out", k_out, k_ref, tol or TOLERANCE[k_out.dtype])
+        assert_close("dk", dk, dk_ref, tol or TOLERANCE[k.dtype])
     # the launchers read their inputs in place and never write them
     for before, after in zip(inputs, (q, k, cos, sin, dq_out, dk_out), strict=True):
         assert before is None or torch.equal(before, after)
@@ -352,6 +364,60 @@ def test_triton_matches_fp64_reference(case, dtype, layout, gen):
 def test_triton_bf16_load_store(layout, gen):
     """bf16 as the interpreter can be trusted with it: load → fp32 math → store (1 ulp, stores truncate)."""
     check_against_fp64_reference(*make_case("d128_half_rotary", torch.bfloat16, gen), layout)
+
+
+# Mixed dtypes: (q, k, cos, sin, out). Each tensor is loaded in its own dtype, the maths runs in fp32, the forward
+# stores out_dtype and the backward q's / k's dtypes (from gradients of out_dtype).
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+MIXED_DTYPES = {
+    # autocast with fp32 master weights: half q/k from a linear, fp32 cos/sin, eager promotes to fp32
+    "fp16_qk_fp32_cos_to_fp32": (F16, F16, F32, F32, F32),
+    # a wider input rounded once at the output (a later pattern absorbing a trailing cast)
+    "fp32_qk_fp16_cos_to_fp16": (F32, F32, F16, F16, F16),
+    "fp16_everything_to_fp32": (F16, F16, F16, F16, F32),
+    "fp32_everything_to_fp16": (F32, F32, F32, F32, F16),
+    # q and k of different dtypes in one launch, cos and sin of different dtypes
+    "fp16_q_fp32_k_fp32_cos_fp16_sin_to_fp32": (F16, F32, F32, F16, F32),
+}
+MIXED_CASES = ["d128_half_rotary", "d80_half_rotary_channels_strided", "k_absent"]
+
+
+def make_mixed_case(case, dtypes, gen):
+    """``CASES[case]``'s shapes and storage with q, k, cos, sin in their own dtypes; the output gradients (the
+    backward's inputs) in the out dtype."""
+    batch, n_q_heads, n_k_heads, seq_len, head_dim, rotary_dim, cos_batch, storage, _ = CASES[case]
+    q_dtype, k_dtype, cos_dtype, sin_dtype, out_dtype = dtypes
+    q = make_heads(batch, n_q_heads, seq_len, head_dim, gen, q_dtype, storage)
+    dq_out = make_heads(batch, n_q_heads, seq_len, head_dim, gen, out_dtype, storage)
+    k = dk_out = None
+    if n_k_heads is not None:
+        k = make_heads(batch, n_k_heads, seq_len, head_dim, gen, k_dtype, storage)
+        dk_out = make_heads(batch, n_k_heads, seq_len, head_dim, gen, out_dtype, storage)
+    cos, _ = make_cos_sin(cos_batch, seq_len, rotary_dim, gen, cos_dtype)
+    _, sin = make_cos_sin(cos_batch, seq_len, rotary_dim, gen, sin_dtype)
+    return q, k, cos, sin, dq_out, dk_out, rotary_dim
+
+
+@interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.parametrize("dtypes", list(MIXED_DTYPES.values()), ids=list(MIXED_DTYPES))
+def test_triton_mixed_dtypes_match_fp64_reference(dtypes, case, layout, gen):
+    q, k, cos, sin, dq_out, dk_out, rotary_dim = make_mixed_case(case, dtypes, gen)
+    check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, out_dtype=dtypes[-1])
+
+
+@interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "dtypes",
+    [pytest.param((BF16, BF16, F32, F32, F32), id="bf16_qk_fp32_cos_to_fp32"),  # HF Trainer bf16=True
+     pytest.param((F32, F32, BF16, BF16, BF16), id="fp32_qk_bf16_cos_to_bf16")],
+)  # fmt: skip
+def test_triton_mixed_dtypes_bf16_load_store(dtypes, layout, gen):
+    """bf16 only loaded and stored (the interpreter's bf16 arithmetic is wrong; its bf16 stores truncate)."""
+    q, k, cos, sin, dq_out, dk_out, rotary_dim = make_mixed_case("d128_half_rotary", dtypes, gen)
+    check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, rotary_dim, layout, out_dtype=dtypes[-1])
 
 
 @interpreter
@@ -612,6 +678,145 @@ def test_op_rejects_bad_arguments(gen):
         rope(q, k, cos[0], sin[0])
 
 
+# (q/k dtype, cos/sin dtype, out_dtype) through the op with autograd; bf16 only on the reference path (CPU torch)
+OP_MIXED_DTYPES = [
+    pytest.param(F16, F32, F32, id="fp16_qk_fp32_cos_to_fp32"),
+    pytest.param(F32, F16, F16, id="fp32_qk_fp16_cos_to_fp16"),
+    pytest.param(F16, F16, F32, id="fp16_everything_to_fp32"),
+]
+OP_MIXED_DTYPES_BF16 = [
+    pytest.param(BF16, F32, F32, id="bf16_qk_fp32_cos_to_fp32"),  # autocast, HF Trainer bf16=True
+    pytest.param(F32, BF16, BF16, id="fp32_qk_bf16_cos_to_bf16"),
+]
+
+
+def check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen, shape=(2, 4, 2, 3, 32)):
+    """``rope(..., out_dtype=)`` on HF's transposed views of q/k in ``q_dtype`` with cos/sin in ``cos_dtype``,
+    then backward from output gradients of ``out_dtype``, vs fp64 autograd of the model's rotation of the same
+    (rounded) values: outputs in ``out_dtype``, gradients in ``q_dtype``."""
+    batch, n_q_heads, n_k_heads, seq_len, head_dim = shape
+    rotary_dim = head_dim // 2  # partial: the pass-through channels change dtype too
+    layout = MODELS[model][1]
+    q_proj = randn((batch, seq_len, n_q_heads * head_dim), gen, q_dtype).requires_grad_()
+    k_proj = randn((batch, seq_len, n_k_heads * head_dim), gen, q_dtype).requires_grad_()
+    cos, sin = (t.to(cos_dtype) for t in model_cos_sin(model, 1, seq_len, rotary_dim, gen))
+    probe_q = randn((batch, n_q_heads, seq_len, head_dim), gen, out_dtype)
+    probe_k = randn((batch, n_k_heads, seq_len, head_dim), gen, out_dtype)
+
+    def heads(proj, n_heads):
+        return proj.view(batch, seq_len, n_heads, head_dim).transpose(1, 2)
+
+    convert = MODELS[model][2]
+    q_out, k_out = rope(
+        heads(q_proj, n_q_heads),
+        heads(k_proj, n_k_heads),
+        convert(cos),
+        convert(sin),
+        rotary_dim=rotary_dim,
+        layout=layout,
+        out_dtype=out_dtype,
+    )
+    assert q_out.dtype == k_out.dtype == out_dtype and q_out.is_contiguous()
+    torch.autograd.backward((q_out, k_out), (probe_q, probe_k))
+    assert q_proj.grad.dtype == k_proj.grad.dtype == q_dtype
+
+    q64, k64 = fp64(q_proj).requires_grad_(), fp64(k_proj).requires_grad_()
+    q_ref, k_ref = model_forward(model, heads(q64, n_q_heads), heads(k64, n_k_heads), fp64(cos), fp64(sin), rotary_dim)
+    torch.autograd.backward((q_ref, k_ref), (fp64(probe_q), fp64(probe_k)))
+    assert_close("q_out", q_out, q_ref, TOLERANCE[out_dtype])
+    assert_close("k_out", k_out, k_ref, TOLERANCE[out_dtype])
+    assert_close("q.grad", q_proj.grad, q64.grad, TOLERANCE[q_dtype])
+    assert_close("k.grad", k_proj.grad, k64.grad, TOLERANCE[q_dtype])
+
+
+@pytest.mark.parametrize("model", ["llama", "glm", "deepseek"])
+@pytest.mark.parametrize("q_dtype, cos_dtype, out_dtype", OP_MIXED_DTYPES + OP_MIXED_DTYPES_BF16)
+def test_op_mixed_dtypes_match_fp64_model(q_dtype, cos_dtype, out_dtype, model, gen, reference_path):
+    check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen)
+
+
+@interpreter
+@pytest.mark.parametrize("model", ["llama", "glm"])
+@pytest.mark.parametrize("q_dtype, cos_dtype, out_dtype", OP_MIXED_DTYPES)
+def test_op_mixed_dtypes_through_triton(q_dtype, cos_dtype, out_dtype, model, gen, monkeypatch):
+    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    launched = count_launches(monkeypatch)
+    check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen, shape=(1, 4, 2, 2, 32))
+    assert launched == ["rope_forward_triton", "rope_backward_triton"]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_op_equals_eager_promotion_under_autocast_dtypes(dtype, gen, reference_path):
+    """What the pattern emits under autocast: half q/k, fp32 cos/sin, out_dtype = eager's promotion. The result
+    is eager's fp32 result (the same fp32 products), the gradients eager's half ones, rounded once instead of
+    per term (so within one half-precision ulp)."""
+    q = make_heads(2, 4, 3, 32, gen, dtype).requires_grad_()
+    k = make_heads(2, 2, 3, 32, gen, dtype).requires_grad_()
+    cos, sin = randn((1, 3, 32), gen), randn((1, 3, 32), gen)
+    out_dtype = torch.promote_types(dtype, cos.dtype)
+    q_out, k_out = rope(q, k, cos, sin, out_dtype=out_dtype)
+    q_ref, k_ref = (t.detach().clone().requires_grad_() for t in (q, k))
+    q_eager, k_eager = llama_apply_rotary_pos_emb(q_ref, k_ref, cos, sin)
+    assert q_out.dtype == q_eager.dtype == k_out.dtype == k_eager.dtype == torch.float32
+    torch.testing.assert_close(q_out, q_eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out, k_eager, rtol=1e-6, atol=1e-6)
+    probe_q, probe_k = randn(q_out.shape, gen), randn(k_out.shape, gen)
+    torch.autograd.backward((q_out, k_out), (probe_q, probe_k))
+    torch.autograd.backward((q_eager, k_eager), (probe_q, probe_k))
+    assert q.grad.dtype == q_ref.grad.dtype == dtype and k.grad.dtype == k_ref.grad.dtype == dtype
+    assert_close("q.grad", q.grad, q_ref.grad, TOLERANCE[dtype])
+    assert_close("k.grad", k.grad, k_ref.grad, TOLERANCE[dtype])
+
+
+def test_fake_gives_the_requested_dtypes():
+    """Under compile the op is traced with fake tensors: its outputs must carry out_dtype / dq_dtype / dk_dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 4, 3, 32, dtype=BF16), torch.empty(2, 2, 3, 32, dtype=F16)
+        cos = torch.empty(1, 1, 3, 32)
+        assert [t.dtype for t in torch.ops.fuser.rope(q, k, cos, cos, 32, "half")] == [BF16, F16]
+        q_out, k_out = torch.ops.fuser.rope(q, k, cos, cos, 32, "half", F32)
+        assert q_out.dtype == k_out.dtype == F32 and q_out.shape == q.shape and k_out.shape == k.shape
+        dq, dk = torch.ops.fuser.rope_backward(q_out, k_out, cos, cos, 32, "half", BF16, F16)
+        assert (dq.dtype, dk.dtype) == (BF16, F16) and dq.shape == q.shape and dk.shape == k.shape
+
+
+def _float_args(gen):
+    q, k = make_heads(1, 4, 3, 32, gen), make_heads(1, 2, 3, 32, gen)
+    cos, sin = randn((1, 3, 32), gen), randn((1, 3, 32), gen)
+    return {"q": q, "k": k, "cos": cos, "sin": sin}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64], ids=str)
+@pytest.mark.parametrize("name", ["q", "k", "cos", "sin"])
+def test_rope_rejects_non_float_inputs(name, dtype, gen, reference_path):
+    """An integer (or bool, or complex) tensor is refused by name with what to do, by the function, the custom op
+    and the Triton launcher alike, never rotated into garbage."""
+    args = _float_args(gen)
+    args[name] = args[name].to(dtype)
+    message = rf"fuser: rope expects a floating-point {name} \(.*\), got {dtype}; cast it first"
+    with pytest.raises(ValueError, match=message):
+        rope(**args)
+    q, k, cos, sin = (args[n].unsqueeze(1) if n in ("cos", "sin") else args[n] for n in ("q", "k", "cos", "sin"))
+    with pytest.raises(ValueError, match=message):  # the custom op itself, as a rewritten graph calls it
+        torch.ops.fuser.rope(q, k, cos, sin, 32, "half")
+    with pytest.raises(ValueError, match=message):  # checked before any launch
+        rope_forward_triton(q, k, cos, sin, 32, "half")
+
+
+def test_rope_rejects_non_float_out_dtype(gen, reference_path):
+    args = _float_args(gen)
+    for bad, error in ((torch.int64, ValueError), (torch.bool, ValueError), ("float32", TypeError)):
+        with pytest.raises(error, match=r"rope expects out_dtype to be None or a floating-point dtype"):
+            rope(**args, out_dtype=bad)
+    cos4, sin4 = args["cos"].unsqueeze(1), args["sin"].unsqueeze(1)
+    with pytest.raises(ValueError, match=r"rope expects out_dtype to be None or a floating-point dtype"):
+        torch.ops.fuser.rope(args["q"], args["k"], cos4, sin4, 32, "half", torch.int32)
+    with pytest.raises(ValueError, match=r"rope expects dq_dtype to be None or a floating-point dtype"):
+        torch.ops.fuser.rope_backward(args["q"], args["k"], cos4, sin4, 32, "half", torch.int32)
+
+
 def _opcheck_rope_args(gen):
     q, k = make_heads(2, 4, 3, 32, gen), make_heads(2, 2, 3, 32, gen)
     qh = make_heads(1, 2, 3, 32, gen, torch.float16, "contiguous")
@@ -622,10 +827,17 @@ def _opcheck_rope_args(gen):
         (q.requires_grad_(), k.requires_grad_(), cos, sin, 32, "half"),  # GQA, HF's transposed views
         (qh.requires_grad_(), qh.new_empty(0), cos16, sin16, 16, "interleaved"),  # k absent, fp16, fp32 cos
         (q, k.detach()[:, :1].requires_grad_(), cos_b, sin_b, 32, "pairs_to_halves"),  # MQA, cos per batch
+        # autocast: bf16 q/k, fp32 cos/sin, fp32 out (gradients back in bf16)
+        (q.detach().bfloat16().requires_grad_(), k.detach().bfloat16().requires_grad_(), cos, sin, 32, "half", F32),
+        # a wider input rounded once: fp32 q/k, fp16 cos/sin, fp16 out
+        (q.detach().requires_grad_(), k.detach().requires_grad_(), cos.half(), sin.half(), 32, "interleaved", F16),
     ]
 
 
-@pytest.mark.parametrize("case", [0, 1, 2], ids=["gqa_half", "q_only_fp16_interleaved", "mqa_pairs_to_halves"])
+OPCHECK_IDS = ["gqa_half", "q_only_fp16_interleaved", "mqa_pairs_to_halves", "bf16_to_fp32", "fp32_to_fp16"]
+
+
+@pytest.mark.parametrize("case", range(len(OPCHECK_IDS)), ids=OPCHECK_IDS)
 def test_opcheck_rope(case, gen, reference_path):
     torch.library.opcheck(torch.ops.fuser.rope.default, _opcheck_rope_args(gen)[case])
 
@@ -636,6 +848,8 @@ def test_opcheck_rope_backward(gen, reference_path):
     for layout in LAYOUTS:
         torch.library.opcheck(torch.ops.fuser.rope_backward.default, (dq_out, dk_out, cos, sin, 16, layout))
     torch.library.opcheck(torch.ops.fuser.rope_backward.default, (dq_out, dq_out.new_empty(0), cos, sin, 16, "half"))
+    # gradients of fp32 outputs back to bf16 / fp16 inputs
+    torch.library.opcheck(torch.ops.fuser.rope_backward.default, (dq_out, dk_out, cos, sin, 16, "half", BF16, F16))
 
 
 @interpreter
@@ -728,6 +942,20 @@ def test_gpu_fp32_cos_per_batch_and_q_only(dtype, gen):
     q, k, cos, sin, dq_out, dk_out = gpu_inputs(128, 128, dtype, gen, cos_dtype=torch.float32, cos_batch=GPU_BATCH)
     check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, 128, "half")
     check_against_fp64_reference(q, None, cos, sin, dq_out, None, 128, "interleaved")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "q_dtype, cos_dtype, out_dtype",
+    [pytest.param(BF16, F32, F32, id="bf16_qk_fp32_cos_to_fp32"),  # autocast, HF Trainer bf16=True
+     pytest.param(F32, BF16, BF16, id="fp32_qk_bf16_cos_to_bf16"),  # a wider input rounded once
+     pytest.param(F16, F32, F32, id="fp16_qk_fp32_cos_to_fp32")],
+)  # fmt: skip
+def test_gpu_mixed_dtypes_match_fp64_reference(q_dtype, cos_dtype, out_dtype, layout, gen):
+    q, k, cos, sin, _, _ = gpu_inputs(128, 64, q_dtype, gen, cos_dtype=cos_dtype)
+    dq_out, dk_out = randn(q.shape, gen, out_dtype, "cuda"), randn(k.shape, gen, out_dtype, "cuda")
+    check_against_fp64_reference(q, k, cos, sin, dq_out, dk_out, 64, layout, out_dtype=out_dtype)
 
 
 def llama_cos_sin(seq_len, head_dim, dtype, device, base=500000.0):

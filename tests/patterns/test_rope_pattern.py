@@ -63,13 +63,14 @@ def q_only(q, k, cos, sin):  # a lone rotation still fuses (into the same op, wi
 VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, q_only]
 
 
-def _inputs(dtype=torch.float32, requires_grad=False):
-    # q and k as Hugging Face makes them: [B, T, H, D] projections viewed as [B, H, T, D]
+def _inputs(dtype=torch.float32, requires_grad=False, cos_dtype=None):
+    # q and k as Hugging Face makes them: [B, T, H, D] projections viewed as [B, H, T, D]; cos/sin in
+    # ``cos_dtype`` (None: q's), as HF's rotary embedding returns them
     q = torch.randn(B, T, HQ, D, dtype=dtype).transpose(1, 2)
     k = torch.randn(B, T, HK, D, dtype=dtype).transpose(1, 2)
     angles = torch.randn(1, T, D // 2)
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos().to(cos_dtype or dtype), emb.sin().to(cos_dtype or dtype)
     if requires_grad:
         q = q.detach().requires_grad_()
         k = k.detach().requires_grad_()
@@ -101,6 +102,104 @@ def test_variant_forward_and_backward_equal_eager(fn, dtype):
     torch.autograd.backward(ref, grads)
     torch.testing.assert_close(q.grad.float(), q_ref.grad.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(k.grad.float(), k_ref.grad.float(), rtol=tol, atol=tol)
+
+
+# q/k and cos/sin of different dtypes: eager promotes (bf16 q from an autocast linear times fp32 cos gives fp32,
+# HF Trainer bf16=True with fp32 master weights), and so does the fused op, through its out_dtype argument
+MIXED = [
+    pytest.param(torch.bfloat16, torch.float32, id="bf16_q_fp32_cos"),
+    pytest.param(torch.float16, torch.float32, id="fp16_q_fp32_cos"),
+    pytest.param(torch.float32, torch.bfloat16, id="fp32_q_bf16_cos"),
+    pytest.param(torch.float16, torch.bfloat16, id="fp16_q_bf16_cos"),
+]
+# gradients: eager rounds each term's gradient to q's dtype before summing them, fuser once at the end
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("fn", VARIANTS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype, cos_dtype", MIXED)
+def test_mixed_dtypes_match_as_one_op_and_equal_eager(fn, dtype, cos_dtype):
+    q, k, cos, sin = _inputs(dtype, requires_grad=True, cos_dtype=cos_dtype)
+    assert fuser.explain(fn, q, k, cos, sin).counts == {"rope": 1}
+    q_ref, k_ref = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(q, k, cos, sin)
+    assert fuser.backend(config).counts == {"rope": 1}
+    ref = fn(q_ref, k_ref, cos, sin)
+    rotated_dtype = torch.promote_types(dtype, cos_dtype)
+    assert ref[0].dtype == rotated_dtype
+    for o, r in zip(out, ref, strict=True):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        # the same fp32 products and sums (fp32 result): fp32 rounding only
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    for g, g_ref in ((q.grad, q_ref.grad), (k.grad, k_ref.grad)):
+        assert g.dtype == g_ref.dtype == dtype
+        torch.testing.assert_close(g.float(), g_ref.float(), rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
+
+
+def attention_rope_under_autocast(x, wq, wk, cos, sin):
+    # Llama's attention up to the rotation: linear projections (bf16 under autocast) rotated by fp32 cos/sin
+    q = torch.nn.functional.linear(x, wq).view(B, T, HQ, D).transpose(1, 2)
+    k = torch.nn.functional.linear(x, wk).view(B, T, HK, D).transpose(1, 2)
+    return llama(q, k, cos, sin)
+
+
+def test_autocast_projections_with_fp32_cos_fuse_and_equal_eager():
+    hidden = 32
+    x = torch.randn(B, T, hidden)
+    wq = (torch.randn(HQ * D, hidden) / hidden**0.5).requires_grad_()
+    wk = (torch.randn(HK * D, hidden) / hidden**0.5).requires_grad_()
+    _, _, cos, sin = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fuser.explain(attention_rope_under_autocast, x, wq, wk, cos, sin)
+    assert report.counts == {"rope": 1}, str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    wq_ref, wk_ref = wq.detach().clone().requires_grad_(), wk.detach().clone().requires_grad_()
+    compiled = torch.compile(attention_rope_under_autocast, backend=fuser.backend(config))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, wq, wk, cos, sin)
+        ref = attention_rope_under_autocast(x, wq_ref, wk_ref, cos, sin)
+    assert fuser.backend(config).counts == {"rope": 1}
+    for o, r in zip(out, ref, strict=True):
+        assert o.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    for w, w_ref in ((wq, wq_ref), (wk, wk_ref)):
+        assert w.grad.dtype == w_ref.grad.dtype == torch.float32
+        # the gradient of the bf16 projection output is rounded to bf16 in both (eager per term, fuser once),
+        # then goes through a bf16 matmul: judged over the whole tensor, within one bf16 eps (7.8e-3)
+        err = ((w.grad - w_ref.grad).norm() / w_ref.grad.norm()).item()
+        assert err <= 7.8e-3, err
+
+
+def fp64_cos(q, k, cos, sin):  # fp64 rotary tables: the fused op computes for fp32/bf16/fp16 only
+    return llama(q, k, cos.double(), sin.double())
+
+
+def fp64_q(q, k, cos, sin):
+    return llama(q.double(), k.double(), cos, sin)
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [(fp64_cos, "cos is torch.float64: the fused op reads cos of"), (fp64_q, "input dtype torch.float64 is not")],
+    ids=["fp64_cos", "fp64_q"],
+)
+def test_dtype_the_op_cannot_take_declines_with_reason(fn, reason):
+    report = fuser.explain(fn, *_inputs())
+    assert report.counts == {}, str(report)
+    assert any(reason in nm.reason for nm in report.near_misses), str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    inputs = _inputs()
+    out = torch.compile(fn, backend=fuser.backend(config))(*inputs)
+    for o, r in zip(out, fn(*inputs), strict=True):
+        assert o.dtype == r.dtype == torch.float64
+        torch.testing.assert_close(o, r)
 
 
 # --- near-misses --------------------------------------------------------------------------------------------
@@ -201,6 +300,35 @@ def test_complex_form_matches_as_one_op_and_equals_eager(dtype):
     torch.autograd.backward(ref, grads)
     torch.testing.assert_close(xq.grad.float(), xq_ref.grad.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(xk.grad.float(), xk_ref.grad.float(), rtol=tol, atol=tol)
+
+
+def llama4_complex_uncast(xq, xk, freqs_cis):  # without the final type_as: an fp32 result from bf16 inputs
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    return torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3), torch.view_as_real(
+        xk_ * freqs_cis[:, :, None, :]
+    ).flatten(3)
+
+
+def test_complex_form_with_a_wider_result_matches_and_equals_eager():
+    xq = torch.randn(B, T, HQ, D, dtype=torch.bfloat16, requires_grad=True)
+    xk = torch.randn(B, T, HK, D, dtype=torch.bfloat16, requires_grad=True)
+    freqs_cis = torch.polar(torch.ones(1, T, D // 2), torch.randn(1, T, D // 2))
+    assert fuser.explain(llama4_complex_uncast, xq, xk, freqs_cis).counts == {"rope": 1}
+    xq_ref, xk_ref = xq.detach().clone().requires_grad_(), xk.detach().clone().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(llama4_complex_uncast, backend=fuser.backend(config))(xq, xk, freqs_cis)
+    assert fuser.backend(config).counts == {"rope": 1}
+    ref = llama4_complex_uncast(xq_ref, xk_ref, freqs_cis)
+    for o, r in zip(out, ref, strict=True):
+        assert o.dtype == r.dtype == torch.float32 and o.shape == r.shape
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    for g, g_ref in ((xq.grad, xq_ref.grad), (xk.grad, xk_ref.grad)):
+        assert g.dtype == g_ref.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), g_ref.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
 def test_complex_form_with_a_per_head_rotation_declines():

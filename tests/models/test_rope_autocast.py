@@ -1,0 +1,88 @@
+"""Tier 3: RoPE under CPU bf16 autocast with fp32 master weights (what HF Trainer ``bf16=True`` runs).
+
+There the projections give bf16 q/k and the rotary embedding fp32 cos/sin, so eager's rotation promotes to an
+fp32 result (Llama); Qwen3's q/k norms multiply by an fp32 weight and hand the rotation fp32 q/k. Either way one
+fused op per attention layer, and a training step equal to eager under autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+from tests.models.tiny import ROPE_ARCHS, batch, build_rope_arch, grads, rel
+
+ARCHS = ["llama", "qwen3"]
+STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+# only the rotation fused: every other op runs as eager runs it, so the step must equal eager's but for the
+# rotation's own rounding (below)
+ROPE_ONLY = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=("rope",))
+# tests/models/test_rms_norm_models.py's bf16/autocast rule: fuser's error against an fp64 run may exceed
+# eager's by a factor 1.5 plus half a bf16 eps
+BF16_FACTOR, BF16_FLOOR = 1.5, 4e-3
+
+
+def _autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _train_step(model, data, autocast=True):
+    with _autocast() if autocast else torch.autocast("cpu", enabled=False):
+        out = model(**data)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_explain_counts_one_rope_per_attention_layer_under_autocast(arch):
+    model = build_rope_arch(arch)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with _autocast():
+        report = fuser.explain(model, **batch())
+    assert report.counts.get("rope", 0) == ROPE_ARCHS[arch][2], str(report)
+    assert not any(nm.pattern == "rope" for nm in report.near_misses), str(report)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autocast_training_step_with_rope_alone_equals_eager(arch):
+    """Loss to fp32 rounding; each gradient within one bf16 eps (7.8e-3) over the tensor: eager rounds the
+    gradient of each of q*cos and rotate_half(q)*sin to bf16 before summing, fuser rounds the sum once
+    (measured: Llama ≤ 3.4e-3, Qwen3 0, its rotation being fp32 throughout)."""
+    base, data = build_rope_arch(arch), batch()
+    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
+    loss_ref = _train_step(eager, data)
+    loss = _train_step(fuser.optimize(fused, ROPE_ONLY), data)
+    assert fuser.backend(ROPE_ONLY).counts == {"rope": ROPE_ARCHS[arch][2]}
+    assert loss.dtype == loss_ref.dtype and rel(loss, loss_ref) <= 1e-5
+    g, g_ref = grads(fused), grads(eager)
+    assert g.keys() == g_ref.keys() and g
+    for name in g_ref:
+        assert g[name].dtype == g_ref[name].dtype == torch.float32, name
+        assert rel(g[name], g_ref[name]) <= 7.8e-3, (name, rel(g[name], g_ref[name]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autocast_training_step_no_less_accurate_than_eager(arch):
+    """Every default pattern on (RoPE among them): loss and every gradient as close to an fp64 run as eager
+    under autocast is, by the rms_norm tier's rule; logits and gradients of eager's dtypes."""
+    base, data = build_rope_arch(arch), batch()
+    reference64 = copy.deepcopy(base).double()
+    loss64 = _train_step(reference64, data, autocast=False)
+    g64 = grads(reference64)
+    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
+    eager_loss = _train_step(eager, data)
+    optimized = fuser.optimize(fused, STRICT)
+    fused_loss = _train_step(optimized, data)
+    assert fuser.backend(STRICT).counts["rope"] == ROPE_ARCHS[arch][2]
+    assert rel(fused_loss, loss64) <= BF16_FACTOR * rel(eager_loss, loss64) + BF16_FLOOR
+    g_eager, g_fused = grads(eager), grads(fused)
+    assert g_fused.keys() == g_eager.keys() == g64.keys()
+    for name in g64:
+        eager_err, fused_err = rel(g_eager[name], g64[name]), rel(g_fused[name], g64[name])
+        assert fused_err <= BF16_FACTOR * eager_err + BF16_FLOOR, (name, fused_err, eager_err)
+        assert g_fused[name].dtype == g_eager[name].dtype == torch.float32, name
+    with _autocast(), torch.no_grad():
+        assert optimized(**data).logits.dtype == eager(**data).logits.dtype
