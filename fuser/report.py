@@ -18,8 +18,9 @@ class Report:
 
     counts:        pattern name → number of fused ops that would be emitted, summed over all captured graphs.
     graph_breaks:  number of graph breaks Dynamo took (captured graphs − 1).
-    matches:       every accepted match, with its source line (``.where``).
-    near_misses:   structural matches that were declined, and anchor ops no variant covered, with the reason.
+    matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
+    near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its
+                   module path, source line and the reason in words (``.module``, ``.where``, ``.reason``).
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -27,6 +28,7 @@ class Report:
     graphs: int = 0
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
+    compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
 
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
@@ -39,9 +41,11 @@ class Report:
             lines.append("(nothing matched)")
         lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))
         if self.near_misses:
-            lines.append("declined:")
+            lines.append("declined (not fused, and why):")
             for nm in self.near_misses:
-                lines.append(f"  {nm.pattern:<20} {nm.where}: {nm.reason}")
+                module = nm.module or "(top level)"
+                lines.append(f"  {nm.pattern:<20} {module}  {nm.where}")
+                lines.append(f"  {'':<20} {nm.reason}")
         return "\n".join(lines)
 
 

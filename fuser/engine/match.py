@@ -5,7 +5,8 @@ root node down through the canonical form (:func:`fuser.engine.canonical.canonic
 
     V("h")          any tensor-valued node; a name used twice must bind the same value (up to exact upcasts,
                     so ``x.float().pow(2)`` and ``x * rstd`` agree on ``x``)
-    S("eps")        a Python number captured in the graph (never a literal copied from a dump)
+    S("eps")        a Python number captured in the graph (never a literal copied from a dump), or a graph node
+                    whose value is a number Dynamo made symbolic (see below)
     C("shape")      any other constant (a shape list, ``None``)
     literal         a plain Python value (``2``, ``(-1,)``, ``True``) must be equal
     Op(name, ...)   a canonical op; ``add``/``mul`` are tried in both operand orders
@@ -13,6 +14,15 @@ root node down through the canonical form (:func:`fuser.engine.canonical.canonic
     OptCast(p, n)   ``p``, optionally wrapped in an explicit ``.to(dtype)``; binds ``n`` to the dtype or None
 
 No-op casts (``.to(d)`` of a value already of dtype ``d``) are looked through wherever an ``Op`` is expected.
+
+Symbolic scalars. When a Python float a model reads changes between calls (a second model with another
+``rms_norm_eps`` or LoRA ``scaling``, in one process), Dynamo's automatic dynamic recompiles with it as a graph
+input: a 0-d fp64 placeholder and ``item = placeholder.item()``, a node whose example value is a ``SymFloat``
+(``zf0``), used where the literal was (``add(variance, item)``). ``S`` binds such a node (or any node computed
+from it, ``1 / item``) like a literal; a check reads its number with :func:`scalar_hint` and hands the node to
+the fused op with :func:`scalar_arg`, so the op takes it from the graph. A custom op's ``float`` argument cannot
+stay symbolic through AOT autograd: torch's tensorify pass specialises it (a guard on the value) and restarts
+Dynamo's analysis, whose new graph has the literal again; the ``eager`` inner compiler passes the run-time float.
 
 Why not ``torch._inductor.pattern_matcher``: its ``CallFunction``/``CallMethod`` trees match one spelling and
 one operand order per node, so every variant would need every permutation of methods, functions, operand
@@ -22,13 +32,22 @@ Reading nodes through one canonical view and trying commutative orders here keep
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx
 
-from fuser.engine.canonical import COMMUTATIVE, canonical, is_noop_cast, strip_exact_upcast, tensor_meta
+from fuser.engine.canonical import (
+    COMMUTATIVE,
+    canonical,
+    is_noop_cast,
+    meta_value,
+    strip_exact_upcast,
+    tensor_meta,
+)
 
 Node = torch.fx.Node
 
@@ -94,26 +113,65 @@ def _same(a: Any, b: Any) -> bool:
     return strip_exact_upcast(a) is strip_exact_upcast(b)
 
 
+def is_symbolic_scalar(value: Any) -> bool:
+    """Whether ``value`` is a graph node computing a Python number Dynamo made symbolic (a SymFloat or SymInt)."""
+    return isinstance(value, Node) and isinstance(meta_value(value), (torch.SymFloat, torch.SymInt))
+
+
+def scalar_hint(value: Any) -> int | float | None:
+    """The number an ``S`` binding stands for: a literal itself; for a symbolic scalar the value Dynamo traced
+    with (its hint: the value of this compile's example inputs), or ``None`` when it has none (data-dependent)."""
+    if not isinstance(value, Node):
+        return value
+    sym = meta_value(value)
+    if not isinstance(sym, (torch.SymFloat, torch.SymInt)) or not sym.node.has_hint():
+        return None
+    hint = sym.node.hint
+    return float(hint) if isinstance(sym, torch.SymFloat) else int(hint)
+
+
+def scalar_arg(value: Any) -> float | Node:
+    """A float argument of a fused op: a literal as ``float``, a symbolic scalar as its node (taken from the
+    graph at run time)."""
+    return value if is_symbolic_scalar(value) else float(value)
+
+
+def same_scalar(a: Any, b: Any) -> bool:
+    """Whether two ``S`` bindings are the same number for every input: equal literals, or symbolic scalars of one
+    expression (the same node, or two ``item()`` calls of one input)."""
+    if isinstance(a, Node) or isinstance(b, Node):
+        if a is b:
+            return True
+        if not (is_symbolic_scalar(a) and is_symbolic_scalar(b)):
+            return False
+        return meta_value(a).node.expr == meta_value(b).node.expr
+    return a == b
+
+
 def _match(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> Iterator[tuple[dict, tuple]]:
     if isinstance(p, V):
         if not isinstance(value, Node) or tensor_meta(value) is None:
-            return
-        if p.name in b:
-            if _same(b[p.name], value):
-                yield b, nodes
-        else:
+            _fail(p, value, b, nodes)
+        elif p.name not in b:
             yield {**b, p.name: value}, nodes
+        elif _same(b[p.name], value):
+            yield b, nodes
+        else:
+            _fail(p, value, b, nodes)
     elif isinstance(p, S):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return
-        if p.name in b:
-            if b[p.name] == value:
-                yield b, nodes
-        else:
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) or is_symbolic_scalar(value)):
+            _fail(p, value, b, nodes)
+        elif p.name not in b:
             yield {**b, p.name: value}, nodes
+        elif same_scalar(b[p.name], value):
+            yield b, nodes
+        else:
+            _fail(p, value, b, nodes)
     elif isinstance(p, C):
         if not isinstance(value, Node):
             yield {**b, p.name: value}, nodes
+        else:
+            _fail(p, value, b, nodes)
     elif isinstance(p, OneOf):
         for alt in p.alternatives:
             yield from _match(alt, value, b, nodes)
@@ -128,16 +186,17 @@ def _match(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> It
             value = canonical(value).args[0]
         c = canonical(value)
         if c is None or c.op != p.op or len(c.args) != len(p.args):
+            _fail(p, value, b, nodes)
             return
         orders = [c.args]
         if p.op in COMMUTATIVE:
             orders.append(tuple(reversed(c.args)))
         for args in orders:
             yield from _match_all(p.args, args, b, nodes + (value,))
-    elif isinstance(value, Node):
-        return
-    elif p == value:
+    elif not isinstance(value, Node) and p == value:
         yield b, nodes
+    else:
+        _fail(p, value, b, nodes)
 
 
 def _match_all(ps: tuple, values: tuple, b: dict, nodes: tuple) -> Iterator[tuple[dict, tuple]]:
@@ -153,6 +212,92 @@ def match_tree(pattern: Any, root: Node) -> Iterator[Found]:
     for bindings, nodes in _match(pattern, root, {}, ()):
         if nodes and nodes[0] is root:
             yield Found(root, bindings, list(dict.fromkeys(nodes)))
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Where a pattern tree stopped matching: the graph nodes it had matched (outermost first), what the tree
+    expected next and what the graph has there, in words (for ``fuser.explain``)."""
+
+    nodes: tuple[Node, ...]
+    expected: str
+    found: str
+
+
+# set by closest_miss while it runs a match: every point where matching stopped, as (nodes, pattern, value, bindings)
+_RECORDING: list[tuple[tuple[Node, ...], Any, Any, dict[str, Any]]] | None = None
+
+
+def _fail(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> None:
+    if _RECORDING is not None:
+        _RECORDING.append((nodes, p, value, b))
+
+
+def closest_miss(pattern: Any, root: Node, anchor: Node | None = None) -> Miss | None:
+    """Why ``pattern`` does not match with ``root`` as its outermost node: the point where the most graph nodes
+    had matched (preferring paths through ``anchor``), or ``None`` when it does match."""
+    global _RECORDING
+    recorded: list = []
+    _RECORDING = recorded
+    try:
+        matched = any(nodes and nodes[0] is root for _, nodes in _match(pattern, root, {}, ()))
+    finally:
+        _RECORDING = None
+    if matched or not recorded:
+        return None
+    nodes, p, value, b = max(recorded, key=lambda r: (anchor is None or anchor in r[0], len(set(r[0]))))
+    return Miss(nodes, _expected(p, b), describe_value(value))
+
+
+def _expected(p: Any, b: dict[str, Any]) -> str:
+    if isinstance(p, S):
+        if p.name in b:
+            return f"the same number ({p.name}) as before, {describe_value(b[p.name])}"
+        return f"a number ({p.name})"
+    if isinstance(p, V):
+        if p.name in b:
+            return f"the same tensor ({p.name}) as before, {describe_value(b[p.name])}"
+        return f"a tensor ({p.name})"
+    if isinstance(p, C):
+        return f"a constant ({p.name})"
+    if isinstance(p, Op):
+        return f"a `{p.op}` with {len(p.args)} operand{'s' if len(p.args) != 1 else ''}"
+    return repr(p)
+
+
+def _readable_source(node: Node) -> str:
+    """A graph input's Python source in dotted form (``model.layers.0.input_layernorm.variance_epsilon``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", "") or "")
+    parts = [p for p in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", name or node.name) if p not in _SOURCE_NOISE]
+    if parts and parts[0] == "0" and "args" in (name or ""):
+        parts = parts[1:]
+    return ".".join(parts) or node.name
+
+
+_SOURCE_NOISE = ("L", "G", "self", "args", "kwargs", "_modules", "__dict__", "_parameters", "_buffers", "modules")
+
+
+def describe_value(value: Any) -> str:
+    """A graph value in a user's words: ``the input `norm.eps` (a 0-d float32 tensor)``, ``a `rsqrt` (a 2×16×1
+    float32 tensor)``, ``the constant 2``."""
+    if not isinstance(value, Node):
+        return f"the constant {value!r}"
+    t = tensor_meta(value)
+    if t is not None:
+        shape = "×".join(str(d) for d in t.shape) if t.dim() else "0-d"
+        kind = f"a {shape} {str(t.dtype).removeprefix('torch.')} tensor"
+    elif is_symbolic_scalar(value):
+        kind = "a number that changes between calls"
+    else:
+        kind = "a non-tensor value"
+    if value.op == "placeholder":
+        return f"the input `{_readable_source(value)}` ({kind})"
+    c = canonical(value)
+    if c is not None:
+        return f"a `{c.op}` ({kind})"
+    target = value.target if value.op == "call_method" else getattr(value.target, "__name__", str(value.target))
+    return f"a call of `{target}` ({kind})"
 
 
 def escaping_use(found: Found) -> tuple[Node, Node] | None:

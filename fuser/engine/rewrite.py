@@ -28,7 +28,7 @@ import torch.fx
 
 from fuser.config import FuserConfig, using_config
 from fuser.engine.canonical import canonical, module_path, source_line
-from fuser.engine.match import OUTER_VALUE, Found, escaping_use, match_tree
+from fuser.engine.match import OUTER_VALUE, Found, closest_miss, escaping_use, match_tree
 from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
 
 log = logging.getLogger("fuser")
@@ -50,19 +50,38 @@ class Match:
 
     @property
     def module(self) -> str:
-        return module_path(self.found.root)
+        """The submodule the block belongs to: the root's, or (a loss computed in the model's own forward, outside
+        any submodule) the nearest covered node's (``lm_head`` for the linear feeding the loss)."""
+        return first_module_path(self.found.nodes)
 
 
 @dataclass
 class NearMiss:
+    """A block that was not fused: ``node`` is its root (a declined match) or the anchor op no form covered;
+    ``reason`` says why in words; ``nodes`` are the graph nodes the declined match covered, root first."""
+
     pattern: str
     node: Node
     reason: str
     graph_name: str
+    nodes: tuple[Node, ...] = ()
 
     @property
     def where(self) -> str:
         return source_line(self.node)
+
+    @property
+    def module(self) -> str:
+        return first_module_path((self.node, *self.nodes))
+
+
+def first_module_path(nodes: Iterable[Node]) -> str:
+    """The module path of the first of ``nodes`` that ran inside a submodule, or ``""``."""
+    for node in nodes:
+        path = module_path(node)
+        if path:
+            return path
+    return ""
 
 
 @dataclass
@@ -117,12 +136,48 @@ def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: s
                 others = [m for m in result.matches if not (m.graph_name == graph_name and m.pattern == pattern.name)]
                 result.matches = others + pattern.combine(mine)
     covered = {n for m in result.matches if m.graph_name == graph_name for n in m.found.nodes}
-    explained = {nm.node for nm in result.near_misses}
+    # an anchor inside a declined match is explained by that decline's reason
+    explained = {n for nm in result.near_misses for n in (nm.node, *nm.nodes)}
     for pattern, node in anchors:
         if node not in covered and node not in explained:
-            reason = f"`{node.format_node()}` looked like part of {pattern.name} but no variant matched around it"
+            reason = _unmatched_anchor_reason(pattern, node, covered | claimed)
             result.near_misses.append(NearMiss(pattern.name, node, reason, graph_name))
             log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), reason)
+
+
+def _enclosing_candidates(anchor: Node, depth: int = 6, limit: int = 40) -> list[Node]:
+    """``anchor`` and the nodes that use it, transitively up to ``depth`` steps: the roots a block containing it
+    could have."""
+    out, frontier = [anchor], [anchor]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u.op in ("call_function", "call_method") and u not in out]
+        frontier = list(dict.fromkeys(frontier))
+        out += frontier
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def _unmatched_anchor_reason(pattern: Pattern, anchor: Node, taken: set[Node]) -> str:
+    """Why no form of ``pattern`` covers ``anchor``, in words: the form and root that matched the most of the code
+    around it, what that form needs there and what the code has instead."""
+    what = canonical(anchor).op if canonical(anchor) is not None else str(anchor.target)
+    best = None
+    for root in _enclosing_candidates(anchor):
+        for variant in pattern.variants:
+            miss = closest_miss(variant.tree, root, anchor)
+            if miss is None:
+                overlap = any(n in taken for f in match_tree(variant.tree, root) for n in f.nodes)
+                why = "it overlaps a block another pattern fused" if overlap else "that block was not fused"
+                return f"this `{what}` is part of a {pattern.name} block ({variant.name} form), but {why}"
+            score = (anchor in miss.nodes, len(set(miss.nodes)))
+            if best is None or score > best[0]:
+                best = (score, variant, miss)
+    text = f"this `{what}` looked like part of {pattern.name}, but the code around it is none of its known forms"
+    if best is None:
+        return text
+    _, variant, miss = best
+    return f"{text}: the closest, the {variant.name!r} form, needs {miss.expected} where the code has {miss.found}"
 
 
 def _try_patterns(
@@ -148,7 +203,8 @@ def _try_patterns(
                     # matches that decline for the same reason: report it once
                     if str(why) not in reasons:
                         reasons.add(str(why))
-                        result.near_misses.append(NearMiss(pattern.name, node, str(why), graph_name))
+                        nm = NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes))
+                        result.near_misses.append(nm)
                         log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
                     continue
                 match = Match(pattern.name, variant.name, found, replacement, graph_name)
@@ -247,7 +303,8 @@ def apply_matches(result: RewriteResult) -> None:
             replaced[old] = fused
         for dropped in replacement.dropped_outputs:
             _return_none_for(dropped)
-        dead = list(match.found.nodes)
+        # dropped outputs outside the match (a returned-only cast of the logits) go with it
+        dead = list(dict.fromkeys([*match.found.nodes, *replacement.dropped_outputs]))
         while dead:  # erase users before what they use; interior nodes have no users outside the match
             erasable = [n for n in dead if not n.users]
             if not erasable:

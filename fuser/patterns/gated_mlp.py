@@ -27,7 +27,7 @@ import torch
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, scalar_arg, scalar_hint
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 
@@ -220,6 +220,8 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     for n in bases:
         if f"{n}_lora" not in b:
             continue
+        if scalar_hint(b[f"{n}_scale"]) is None:  # a symbolic scale (another lora_alpha) is passed as it is
+            raise Decline(f"{n} LoRA scaling `{b[f'{n}_scale'].name}` is computed from data at run time")
         # the sum's dtype: the explicit cast, or type promotion of base and LoRA term; it must be the base's
         lora_dtype = tensors[f"{n}_lora"].dtype
         sum_dtype = b.get(f"{n}_cast") or torch.promote_types(tensors[n].dtype, lora_dtype)
@@ -239,7 +241,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
             raise Decline(f"packed gate_up has an odd last dim {shapes[0][-1]}")
         return Replacement(
             torch.ops.fuser.gated_activation_packed.default,
-            (b["gate_up"], b.get("gate_up_lora"), float(b.get("gate_up_scale", 1.0)), activation),
+            (b["gate_up"], b.get("gate_up_lora"), scalar_arg(b.get("gate_up_scale", 1.0)), activation),
             output_index=0,
         )
     return Replacement(
@@ -249,8 +251,8 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
             b["up"],
             b.get("gate_lora"),
             b.get("up_lora"),
-            float(b.get("gate_scale", 1.0)),
-            float(b.get("up_scale", 1.0)),
+            scalar_arg(b.get("gate_scale", 1.0)),
+            scalar_arg(b.get("up_scale", 1.0)),
             activation,
         ),
         output_index=0,

@@ -23,26 +23,43 @@ targets, a scale or cap that is a tensor rather than a constant, softcapping wit
 loss that is not fp32 (half-precision logits never upcast), and logits (or any value between them and the loss)
 used by anything but the graph's return.
 
+A scale or cap that Dynamo made symbolic (another model's ``logit_scale`` or softcap, recompiled in one process)
+is taken from the graph: the op's ``logit_scale``/``softcap`` argument is that node (``1 / node`` for a divisor).
+
 Under autocast the linear runs in a lower precision than its fp32 operands: the op gets them cast to that dtype
 (custom ops see no autocast), as eager's linear does.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import torch
 
 import fuser.kernels.linear_cross_entropy  # noqa: F401  (registers torch.ops.fuser.linear_cross_entropy)
 from fuser.config import active_config
 from fuser.engine.canonical import canonical, tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
-from fuser.patterns.base import FLOAT_DTYPES, CastTo, Decline, Pattern, Replacement, Variant
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, same_scalar, scalar_hint
+from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
 
 Node = torch.fx.Node
 
 
 def _constant(name: str) -> OneOf:
-    """A Python number (the model's config value), or a tensor: bound as ``<name>_tensor`` and declined."""
+    """A Python number (the model's config value; symbolic when Dynamo made it a graph input), or a tensor: bound
+    as ``<name>_tensor`` and declined."""
     return OneOf(S(name), V(f"{name}_tensor"))
+
+
+@dataclass(frozen=True)
+class Reciprocal(ArgExpr):
+    """``1.0 / source`` of a symbolic scalar (Granite's ``logits / logits_scaling`` as the op's logit scale)."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_function(operator.truediv, (1.0, self.source))
 
 
 # transformers' `hidden_states[:, slice(-logits_to_keep, None), :]` with logits_to_keep=0 selects everything
@@ -76,10 +93,18 @@ loss = Op(
 VARIANTS = [Variant("causal lm", loss)]
 
 
-def _scalar(b: dict, name: str, what: str) -> float | None:
+def _scalar(b: dict, name: str, what: str) -> tuple[float | Node, float] | None:
+    """(the op's argument, its number) of a captured constant: a literal, or a symbolic scalar node with the value
+    it was traced with (checks read that value; the op takes the node, so the graph supplies it at run time)."""
     if f"{name}_tensor" in b:
         raise Decline(f"{what} is a tensor (`{b[f'{name}_tensor'].name}`), not a constant")
-    return b.get(name)
+    if name not in b:
+        return None
+    value = b[name]
+    number = scalar_hint(value)
+    if number is None:
+        raise Decline(f"{what} `{value.name}` is computed from data at run time (its value is not known)")
+    return (value if is_symbolic_scalar(value) else float(value)), float(number)
 
 
 def _outside_uses(found: Found) -> tuple[list[Node], list[tuple[Node, Node]]]:
@@ -99,9 +124,33 @@ def _outside_uses(found: Found) -> tuple[list[Node], list[tuple[Node, Node]]]:
                 continue
             if user.op == "output":
                 returned.append(node)
+            elif (chain := _returned_only(user)) is not None:
+                # e.g. accelerate's convert_outputs_to_fp32 under autocast: the graph returns logits.float()
+                returned += [node, *chain]
             else:
                 used.append((node, user))
     return returned, used
+
+
+# what a value may go through on its way to the graph's outputs and still count as "returned" (the graph then
+# returns None for it too): casts and reshapes, as a wrapper around forward applies them to every output
+_RETURN_CONVERSIONS = ("to", "reshape", "contiguous")
+
+
+def _returned_only(node: Node) -> list[Node] | None:
+    """``node`` and the conversions after it, if they only lead to the graph's outputs; else None."""
+    c = canonical(node)
+    if c is None or c.op not in _RETURN_CONVERSIONS or not node.users:
+        return None
+    chain = [node]
+    for user in node.users:
+        if user.op == "output":
+            continue
+        rest = _returned_only(user)
+        if rest is None:
+            return None
+        chain += rest
+    return chain
 
 
 def _operand(node: Node, dtype: torch.dtype) -> Node | CastTo:
@@ -112,6 +161,10 @@ def check_linear_cross_entropy(found: Found, variant: Variant) -> Replacement:
     b = found.bindings
     if b.get("class_weight") is not None:
         raise Decline("cross_entropy with class weights (weight=)")
+    # the op has no argument for these: one that changes between calls (symbolic) cannot be fused
+    for name in ("label_smoothing", "ignore_index", "flatten_start"):
+        if is_symbolic_scalar(b.get(name)):
+            raise Decline(f"cross_entropy's {name} `{b[name].name}` changes between calls (the op takes it fixed)")
     if b["label_smoothing"] != 0:
         raise Decline(f"cross_entropy with label_smoothing={b['label_smoothing']}")
     if b["reduction"] not in ("mean", "sum"):
@@ -145,22 +198,23 @@ def check_linear_cross_entropy(found: Found, variant: Variant) -> Replacement:
     if tensor_meta(found.root).dtype != torch.float32:
         raise Decline(f"the loss is {tensor_meta(found.root).dtype}; the fused op returns an fp32 loss")
 
-    logit_scale = 1.0
+    logit_scale: float | Node | Reciprocal = 1.0
     scale, inverse_scale = _scalar(b, "scale", "logit scale"), _scalar(b, "inverse_scale", "logit scaling divisor")
     if scale is not None:
-        logit_scale = float(scale)
+        logit_scale = scale[0]
     if inverse_scale is not None:
-        if inverse_scale == 0:
+        arg, number = inverse_scale
+        if number == 0:
             raise Decline("logits divided by 0")
-        logit_scale = 1.0 / inverse_scale
+        logit_scale = Reciprocal(arg) if isinstance(arg, Node) else 1.0 / arg
     cap_in, cap_out = _scalar(b, "cap_in", "softcap divisor"), _scalar(b, "cap_out", "softcap multiplier")
-    softcap = 0.0
+    softcap: float | Node = 0.0
     if cap_in is not None:
-        if cap_in != cap_out:
-            raise Decline(f"softcap tanh(x / {cap_in}) * {cap_out} uses two different constants")
-        if cap_in <= 0:
-            raise Decline(f"softcap {cap_in} is not positive")
-        softcap = float(cap_in)
+        if not same_scalar(b["cap_in"], b["cap_out"]):
+            raise Decline(f"softcap tanh(x / {cap_in[1]}) * {cap_out[1]} uses two different constants")
+        if cap_in[1] <= 0:
+            raise Decline(f"softcap {cap_in[1]} is not positive")
+        softcap = cap_in[0]
 
     # gradients are wanted when grad mode is on (at rewrite time, as at run time: Dynamo guards on it) and the
     # logits were traced with requires_grad (false inside a no_grad region of the graph)

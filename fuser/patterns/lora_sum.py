@@ -16,7 +16,7 @@ import torch
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
-from fuser.engine.match import C, Found, Op, S, V
+from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.kernels.upcast_linear import HALF_DTYPES, TRITON_MAX_OUT
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 
@@ -40,8 +40,8 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
         raise Decline(f"adapter of dtype {w.dtype} fed {a.dtype} (the op takes an fp32 adapter and input)")
     if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
         raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")
-    if isinstance(b["scale"], bool) or not isinstance(b["scale"], int | float):
-        raise Decline(f"scale {b['scale']!r} is not a number")
+    if scalar_hint(b["scale"]) is None:  # a symbolic scale (another lora_alpha, recompiled) is passed as it is
+        raise Decline(f"the LoRA scaling `{b['scale'].name}` is computed from data at run time")
     expected = (*a.shape[:-1], w.shape[0])
     if len(base.shape) != len(expected) or not all(
         statically_equal(x, y) for x, y in zip(base.shape, expected, strict=True)
@@ -52,7 +52,8 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
     round_term = variant.name == "peft bitsandbytes"
     if round_term and out.dtype != base.dtype:
         raise Decline(f"the sum is {out.dtype}, not the base's {base.dtype}")
-    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], float(b["scale"]), round_term))
+    scale = scalar_arg(b["scale"])
+    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], scale, round_term))
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True)

@@ -12,7 +12,9 @@ and optionally multiplies by a weight. What differs is where the casts are and h
     torch       F.rms_norm / nn.RMSNorm
 
 The fused op reproduces the explicit cast between the normalisation and the weight multiply (``norm_dtype``)
-and returns the root node's dtype, read from the graph's metadata (so autocast's dtypes are kept).
+and returns the root node's dtype, read from the graph's metadata (so autocast's dtypes are kept). ``eps`` is
+the literal, or, when Dynamo made it symbolic (a second model with another ``rms_norm_eps`` in one process), the
+graph's ``item()`` node: the op takes it from the graph, and the checks read the value it was traced with.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
 from fuser.engine.canonical import strip_exact_upcast, tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 h = V("h")
@@ -64,15 +66,19 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
     n_cols = xt.shape[-1]
     if not isinstance(n_cols, int):
         raise Decline("hidden size (last dim) is symbolic")
-    if "n_cols" in b and b["n_cols"] != n_cols:
-        raise Decline(f"sum of squares divided by {b['n_cols']}, not by the hidden size {n_cols}")
+    if "n_cols" in b and (is_symbolic_scalar(b["n_cols"]) or b["n_cols"] != n_cols):
+        raise Decline(f"sum of squares divided by {_number(b['n_cols'])}, not by the hidden size {n_cols}")
     if variant.name == "F.rms_norm" and list(b["normalized_shape"]) != [n_cols]:
         raise Decline(f"normalized_shape {b['normalized_shape']} is not the last dim alone ([{n_cols}])")
     eps_value = b.get("eps")
     if eps_value is None:  # F.rms_norm's default
         eps_value = torch.finfo(xt.dtype).eps
-    if eps_value < 0:
-        raise Decline(f"eps {eps_value} is negative")
+    # a symbolic eps (a model with another eps, recompiled) is checked by the value it was traced with
+    eps_number = scalar_hint(eps_value)
+    if eps_number is None:
+        raise Decline(f"eps `{eps_value.name}` is computed from data at run time (its value is not known)")
+    if eps_number < 0:
+        raise Decline(f"eps {eps_number} is negative")
 
     w = b.get("w")
     if w is not None:
@@ -96,9 +102,13 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
         norm_dtype = None
     return Replacement(
         torch.ops.fuser.rms_norm.default,
-        (x, w, float(eps_value), float(b.get("offset", 0.0)), norm_dtype, out.dtype),
+        (x, w, scalar_arg(eps_value), scalar_arg(b.get("offset", 0.0)), norm_dtype, out.dtype),
         output_index=0,  # (y, rstd)
     )
+
+
+def _number(value: object) -> str:
+    return f"`{value.name}`" if isinstance(value, torch.fx.Node) else str(value)
 
 
 RMS_NORM = Pattern("rms_norm", VARIANTS, check_rms_norm, anchors=frozenset({"rsqrt", "rms_norm"}))

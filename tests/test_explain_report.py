@@ -1,0 +1,59 @@
+"""``str(fuser.explain(...))``: each match and each near-miss names its module and source line, and a near-miss
+says why in words (no FX node dumps)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+import fuser
+from tests.models.tiny import N_LAYERS, batch, build
+
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+NORM_MODULES = [f"model.layers.{i}.{n}" for i in range(N_LAYERS) for n in LAYER_NORMS] + ["model.norm"]
+
+
+def _assert_plain_words(text: str) -> None:
+    assert not re.search(r"%\w+ :|call_function\[|call_method\[|num_users=", text), text
+
+
+def test_loss_match_names_the_lm_head_module():
+    report = fuser.explain(build("llama"), **batch())
+    (loss,) = [m for m in report.matches if m.pattern == "linear_cross_entropy"]
+    assert loss.module == "lm_head"
+    (row,) = [line for line in str(report).splitlines() if line.startswith("linear_cross_entropy")]
+    assert " lm_head " in row and "loss_utils.py" in row, row
+
+
+def test_norm_declined_by_a_check_names_module_source_and_reason():
+    report = fuser.explain(build("llama", torch.float64), **batch())  # fp64: every norm is declined by dtype
+    norms = [nm for nm in report.near_misses if nm.pattern == "rms_norm"]
+    assert {nm.module for nm in norms} == set(NORM_MODULES), str(report)
+    assert all("modeling_llama.py:" in nm.where and "torch.float64" in nm.reason for nm in norms), str(report)
+    lines = str(report).splitlines()
+    for module in NORM_MODULES:
+        rows = [i for i, line in enumerate(lines) if line.split()[:2] == ["rms_norm", module]]
+        assert rows, f"{module} has no declined row"
+        for i in rows:  # the row names the source line, the next line says why
+            assert "modeling_llama.py:" in lines[i] and "torch.float64" in lines[i + 1], lines[i : i + 2]
+    _assert_plain_words(str(report))
+
+
+def test_norm_no_form_covers_names_module_source_and_what_differs():
+    """An eps that is a tensor (not a number): no RMSNorm form matches around the rsqrt; the reason names the form
+    that came closest and what the code has where it needs eps."""
+    model = build("llama")
+    for name, module in model.named_modules():
+        if name in NORM_MODULES:
+            module.variance_epsilon = torch.tensor(1e-6)
+    report = fuser.explain(model, **batch())
+    assert "rms_norm" not in report.counts, str(report)
+    norms = [nm for nm in report.near_misses if nm.pattern == "rms_norm"]
+    assert sorted(nm.module for nm in norms) == sorted(NORM_MODULES), str(report)  # one for each norm
+    for nm in norms:
+        assert "modeling_llama.py:" in nm.where and "rsqrt" in nm.where, nm.where
+        assert "needs a number (eps)" in nm.reason and "0-d float32 tensor" in nm.reason, nm.reason
+    text = str(report)
+    assert "model.layers.0.input_layernorm" in text and "needs a number (eps)" in text
+    _assert_plain_words(text)
