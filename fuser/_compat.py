@@ -38,6 +38,21 @@ def custom_graph_pass_base() -> type:
     return CustomGraphPass
 
 
+def is_compiled_wrapper(module: Any) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def dynamo_restart_analysis() -> type[BaseException]:
+    """Dynamo's "trace this frame again" exception, which a backend must let through: AOT autograd's tensorify
+    pass raises it to specialise a float that Dynamo made symbolic (an ``eps`` that changed between models)."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return RestartAnalysis
+
+
 def statically_equal(a: Any, b: Any) -> bool:
     """``a == b`` for ints or SymInts, decided without adding a guard (unknown counts as unequal)."""
     if isinstance(a, int) and isinstance(b, int):

@@ -32,10 +32,28 @@ class FuserConfig:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        if self.inner_compiler not in INNER_COMPILERS:
+        if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
+        for name in ("keep_logits", "strict"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")
         if self.patterns is not None:
-            object.__setattr__(self, "patterns", tuple(self.patterns))
+            if isinstance(self.patterns, str):
+                raise TypeError(
+                    f"fuser: FuserConfig.patterns takes a list or tuple of pattern names, got the string "
+                    f"{self.patterns!r}; write patterns=({self.patterns!r},)"
+                )
+            try:
+                names = tuple(self.patterns)
+            except TypeError:
+                raise TypeError(
+                    f"fuser: FuserConfig.patterns takes a list or tuple of pattern names, got {self.patterns!r}"
+                ) from None
+            bad = [n for n in names if not isinstance(n, str)]
+            if bad:
+                raise TypeError(f"fuser: FuserConfig.patterns takes pattern names (strings), got {bad!r}")
+            object.__setattr__(self, "patterns", names)
             from fuser.patterns import PATTERNS
 
             unknown = sorted(set(self.patterns) - set(PATTERNS))
@@ -45,6 +63,8 @@ class FuserConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> FuserConfig:
         """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config's fields."""
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"fuser: options must be a dict of FuserConfig fields, got {type(options).__name__}")
         options = dict(options or {})
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - fields)

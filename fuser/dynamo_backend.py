@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from fuser.config import FuserConfig
 from fuser.engine import inplace
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
+from fuser.report import Report
 
 log = logging.getLogger("fuser")
 
@@ -88,6 +91,7 @@ class FuserBackend:
         # {"gated_backward_in_place": 32}; filled as Inductor compiles them (a backward graph maybe only at the
         # first backward call), and not when a graph comes from Inductor's cache
         self.post_grad_counts: dict[str, int] = {}
+        self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -115,7 +119,6 @@ class FuserBackend:
                 stacklevel=2,
             )
             return gm, None
-        log.info("fuser: fused %s", result.counts or "nothing")
         return new_gm, result
 
     def compile_inner(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -127,13 +130,42 @@ class FuserBackend:
         return _compat.inductor_compile(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post_grad})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        start = time.perf_counter()
+        index = len(self.results) + 1
+        log.info("fuser: compiling graph %d (%d nodes)...", index, len(gm.graph.nodes))
         new_gm, result = self.rewrite(gm)
         if result is not None:
             self.results.append(result)
+        compiled = self._compile(gm, new_gm, example_inputs, result)
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        fused = ", ".join(f"{k}={v}" for k, v in sorted(result.counts.items())) if result else ""
+        log.info(
+            "fuser: graph %d compiled in %.1f s (%s): fused %s",
+            index,
+            seconds,
+            self.config.inner_compiler,
+            fused or "nothing",
+        )
+        return compiled
+
+    def _compile(
+        self,
+        gm: torch.fx.GraphModule,
+        new_gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        result: RewriteResult | None,
+    ) -> Callable:
         if new_gm is gm:
             return self.compile_inner(gm, example_inputs)
         try:
             return self.compile_inner(new_gm, example_inputs)
+        except _compat.dynamo_restart_analysis():
+            # Dynamo traces the frame again (a float it made symbolic gets specialised): not a failure, and this
+            # graph never runs; the traced-again graph comes through this backend once more
+            if result is not None and result in self.results:
+                self.results.remove(result)
+            raise
         except Exception as error:
             if self.config.strict:
                 raise FuserError(f"fuser: compiling the rewritten graph failed: {error!r}") from error
@@ -146,13 +178,38 @@ class FuserBackend:
                 self.results.remove(result)
             return self.compile_inner(gm, example_inputs)
 
+    def report(self) -> Report:
+        """What this backend fused so far: counts, graphs, matches and near-misses of every graph it compiled."""
+        out = Report(graphs=len(self.results), graph_breaks=max(len(self.results) - 1, 0))
+        for result in self.results:
+            out.matches += result.matches
+            out.near_misses += result.near_misses
+        out.counts = self.counts
+        out.compile_seconds = self.compile_seconds
+        return out
+
 
 _BACKENDS: dict[FuserConfig, FuserBackend] = {}
+# the backend each model given to optimize / optimize_ is compiled with (weak: the model's lifetime is the user's)
+_MODEL_BACKENDS: weakref.WeakKeyDictionary[torch.nn.Module, FuserBackend] = weakref.WeakKeyDictionary()
 
 
-def backend(config: FuserConfig | None = None) -> FuserBackend:
+def as_config(config: FuserConfig | dict[str, Any] | None) -> FuserConfig:
+    """``config`` as a :class:`FuserConfig`: ``None`` is the default, a dict names fields as ``options=`` does."""
+    if config is None:
+        return FuserConfig()
+    if isinstance(config, FuserConfig):
+        return config
+    if isinstance(config, dict):
+        return FuserConfig.from_options(config)
+    raise TypeError(
+        f"fuser: config must be a fuser.FuserConfig, a dict of its fields or None, got {type(config).__name__}"
+    )
+
+
+def backend(config: FuserConfig | dict[str, Any] | None = None) -> FuserBackend:
     """The Dynamo backend for ``config``: the same object for equal configs, so Dynamo does not recompile."""
-    config = config or FuserConfig()
+    config = as_config(config)
     if config not in _BACKENDS:
         _BACKENDS[config] = FuserBackend(config)
     return _BACKENDS[config]
@@ -173,6 +230,59 @@ def fuser_backend(
     return backend(FuserConfig.from_options(options))(gm, example_inputs)
 
 
-def optimize(model: torch.nn.Module, config: FuserConfig | None = None) -> torch.nn.Module:
-    """``torch.compile(model, backend=fuser.backend(config))``. ``model`` itself is not modified."""
-    return torch.compile(model, backend=backend(config))
+def _check_module(model: Any, api: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fuser: {api} takes a torch.nn.Module, got {type(model).__name__}")
+
+
+def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
+    """``torch.compile(model, backend=fuser.backend(config))``. ``model`` itself is not modified.
+
+    The result is torch's compiled wrapper (``state_dict`` keys prefixed ``_orig_mod.``, ``forward(*args,
+    **kwargs)``): for ``transformers.Trainer`` and TRL's trainers use :func:`optimize_` instead.
+    """
+    _check_module(model, "optimize")
+    chosen = backend(config)
+    _MODEL_BACKENDS[model] = chosen
+    return torch.compile(model, backend=chosen)
+
+
+def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
+    """Compile ``model`` through fuser in place, as ``model.compile(backend=fuser.backend(config))`` does, and
+    return it: its class, ``forward``, signature, parameters and ``state_dict`` keys stay the user's own, so
+    ``transformers.Trainer`` (column pruning, ``save_model``, ``from_pretrained``, resuming) and TRL's trainers
+    (which replace ``forward`` on the instance; the compiled call runs whatever ``forward`` is then) see the
+    model they expect. Apply it to the model the trainer calls: after ``get_peft_model``, and to
+    ``trainer.model`` when the trainer wraps the model itself (``SFTTrainer(peft_config=...)``).
+    """
+    _check_module(model, "optimize_")
+    if _compat.is_compiled_wrapper(model):
+        raise TypeError(
+            "fuser: optimize_ got a module that torch.compile (or fuser.optimize) already wrapped; pass the "
+            "original module (`compiled._orig_mod`) instead"
+        )
+    chosen = backend(config)
+    _MODEL_BACKENDS[model] = chosen
+    model.compile(backend=chosen)
+    return model
+
+
+def report(model: torch.nn.Module | None = None) -> Report:
+    """What fuser fused so far in the graphs it compiled: for ``model`` (given to :func:`optimize` or
+    :func:`optimize_`, or the object :func:`optimize` returned), else summed over every fuser backend in this
+    process. Nothing is compiled or run; counts grow as graphs compile (the first training step compiles them)."""
+    if model is not None:
+        target = getattr(model, "_orig_mod", model)
+        if target not in _MODEL_BACKENDS:
+            raise ValueError("fuser: report(model) got a model that was not given to fuser.optimize or optimize_")
+        return _MODEL_BACKENDS[target].report()
+    total = Report()
+    for one in _BACKENDS.values():
+        part = one.report()
+        total.graphs += part.graphs
+        total.matches += part.matches
+        total.near_misses += part.near_misses
+        total.compile_seconds += part.compile_seconds
+    total.graph_breaks = max(total.graphs - 1, 0)
+    total.counts = count_by_pattern(total.matches)
+    return total

@@ -166,3 +166,48 @@ def test_explain_report_table_names_source_lines():
 def test_functional_rms_norm_rejects_a_wrong_weight():
     with pytest.raises(ValueError, match="1-D weight of size 8"):
         fuser.rms_norm(torch.randn(2, 8), torch.randn(4))
+
+
+def test_optimize_takes_a_dict_of_config_fields():
+    model = build("llama")
+    optimized = fuser.optimize(model, {"inner_compiler": "aot_eager", "strict": True})
+    optimized(**batch()).loss.backward()
+    assert fuser.backend({"inner_compiler": "aot_eager", "strict": True}).counts["rms_norm"] == 5
+    with pytest.raises(ValueError, match="unknown option"):
+        fuser.optimize(model, {"inner": "aot_eager"})
+    with pytest.raises(TypeError, match="FuserConfig, a dict"):
+        fuser.optimize(model, "aot_eager")
+
+
+@pytest.mark.parametrize(
+    "fields, error, text",
+    [
+        ({"patterns": "rms_norm"}, TypeError, r"patterns=\('rms_norm',\)"),
+        ({"patterns": ["rms_norm", 3]}, TypeError, "pattern names"),
+        ({"patterns": ["rms_nrom"]}, ValueError, "unknown pattern"),
+        ({"keep_logits": "yes"}, TypeError, "keep_logits must be True or False"),
+        ({"strict": 1}, TypeError, "strict must be True or False"),
+        ({"inner_compiler": "cudagraphs"}, ValueError, "inner_compiler must be one of"),
+    ],
+)
+def test_config_is_validated_when_built(fields, error, text):
+    with pytest.raises(error, match=text):
+        fuser.FuserConfig(**fields)
+    with pytest.raises(error, match=text):  # the same through torch.compile's options=
+        fuser.FuserConfig.from_options(fields)
+
+
+def test_optimize_in_place_keeps_the_users_class_keys_and_signature():
+    import inspect
+
+    model = build("llama")
+    keys, signature = list(model.state_dict()), inspect.signature(model.forward)
+    assert fuser.optimize_(model, AOT) is model
+    model(**batch()).loss.backward()
+    assert type(model).__name__ == "LlamaForCausalLM" and list(model.state_dict()) == keys
+    assert inspect.signature(model.forward) == signature
+    assert fuser.report(model).counts["rms_norm"] == 5
+    with pytest.raises(TypeError, match="already wrapped"):
+        fuser.optimize_(fuser.optimize(build("llama"), AOT))
+    with pytest.raises(ValueError, match="not given to fuser.optimize"):
+        fuser.report(build("llama"))

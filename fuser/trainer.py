@@ -1,0 +1,92 @@
+"""``fuser.FuserCallback``: what fuser fused, in a ``transformers.Trainer`` (or TRL trainer) run.
+
+    fuser.optimize_(model)                                            # the integration: in place
+    trainer = Trainer(model=model, ..., callbacks=[fuser.FuserCallback()])
+
+The callback compiles nothing itself. At the start of training it shows fuser's log lines (one per compiled
+graph: what fused, how long it took) unless the Trainer's ``log_level`` asks for warnings only. After the first
+step it checks that the model the trainer calls went through fuser, and warns if nothing was compiled (the
+model was wrapped after ``optimize_``, e.g. by ``SFTTrainer(peft_config=...)``: apply ``optimize_`` to
+``trainer.model`` then). Its first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from fuser import dynamo_backend
+
+log = logging.getLogger("fuser")
+_QUIET_LEVELS = ("warning", "error", "critical")
+
+
+def _backend_of(model: torch.nn.Module | None) -> dynamo_backend.FuserBackend | None:
+    """The fuser backend the trainer's model (or a module inside it, or the module it wraps) is compiled with."""
+    if model is None:
+        return None
+    for module in (getattr(model, "_orig_mod", model), *model.modules()):
+        found = dynamo_backend._MODEL_BACKENDS.get(module)
+        if found is not None:
+            return found
+    return None
+
+
+class FuserCallback(TrainerCallback):
+    """Shows what fuser fused in a Trainer run, and warns when the trainer's model bypasses fuser."""
+
+    def __init__(self) -> None:
+        self._checked = False
+        self._logged_counts = False
+        self._handler: logging.Handler | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if getattr(args, "log_level", "passive") not in _QUIET_LEVELS and not log.handlers:
+            self._handler = logging.StreamHandler()
+            self._handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(self._handler)
+            log.setLevel(logging.INFO)
+        if _backend_of(model) is None:
+            warnings.warn(
+                "fuser: the trainer's model was not given to fuser.optimize_, so nothing will be fused; call "
+                "fuser.optimize_(trainer.model) before trainer.train()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._checked = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        found = _backend_of(model)
+        if found is not None and not found.results:
+            warnings.warn(
+                "fuser: the first training step compiled no graph through fuser: the trainer calls the model "
+                "around the compiled module (it was wrapped after fuser.optimize_). Call "
+                "fuser.optimize_(trainer.model) after building the trainer.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None, **kw: Any):
+        found = _backend_of(model)
+        if self._logged_counts or logs is None or found is None or not found.results:
+            return
+        self._logged_counts = True
+        counts = {f"fuser/{name}": count for name, count in sorted(found.counts.items())}
+        logs.update(counts)  # what the printing and reporting callbacks after this one see
+        if state.log_history:  # the Trainer stored a copy of these logs before calling back
+            state.log_history[-1].update(counts)
+        log.info(
+            "fuser: fused %s in %d graph(s), %.1f s compiling", found.counts, len(found.results), found.compile_seconds
+        )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._handler is not None:
+            log.removeHandler(self._handler)
+            self._handler = None
