@@ -137,12 +137,21 @@ def gated_activation_reference_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(out, g, u) in the inputs' dtype; g / u are the LoRA sums (None without the LoRA term)."""
     compute = compute_dtype(gate)
-    gate_sum = _reference_sum(gate, gate_lora, gate_scale)
-    up_sum = _reference_sum(up, up_lora, up_scale)
-    g = (gate if gate_sum is None else gate_sum).to(compute)
-    u = (up if up_sum is None else up_sum).to(compute)
-    act, _ = _reference_activation_and_grad(g, activation)
-    return (act * u).to(gate.dtype), gate_sum, up_sum
+    # the product is computed from the LoRA sums before their rounding (as Inductor computes peft's
+    # ``(base + lora * s).to(bf16)`` fused into its consumer: a LoRA term below half an ulp of the base would
+    # otherwise vanish); the rounded sums are what backward saves
+    g_wide = _reference_wide(gate, gate_lora, gate_scale, compute)
+    u_wide = _reference_wide(up, up_lora, up_scale, compute)
+    act, _ = _reference_activation_and_grad(g_wide, activation)
+    out = (act * u_wide).to(gate.dtype)
+    return out, None if gate_lora is None else g_wide.to(gate.dtype), None if up_lora is None else u_wide.to(up.dtype)
+
+
+def _reference_wide(base: torch.Tensor, lora: torch.Tensor | None, scale: float, compute: torch.dtype):
+    """base + scale · lora in the compute dtype, not rounded (base alone without a LoRA term)."""
+    if lora is None:
+        return base.to(compute)
+    return base.to(compute) + scale * lora.to(compute)
 
 
 def gated_activation_reference_backward(
@@ -191,9 +200,9 @@ def gated_activation_packed_reference_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, gate_up_sum or None): the unpacked reference on the two halves."""
     gate_up_sum = _reference_sum(gate_up, gate_up_lora, scale)
-    out, _, _ = gated_activation_reference_forward(
-        *_halves(gate_up if gate_up_sum is None else gate_up_sum), activation
-    )
+    loras = _halves(gate_up_lora) if gate_up_lora is not None else (None, None)
+    # the product from the unrounded sums, as the unpacked op computes it
+    out, _, _ = gated_activation_reference_forward(*_halves(gate_up), activation, *loras, scale, scale)
     return out, gate_up_sum
 
 
@@ -295,17 +304,16 @@ if HAS_TRITON:
         cols = cols[None, :]
         g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        # absorb the LoRA sums: round to the input dtype (what is saved for backward), then act on that value
+        # absorb the LoRA sums: store them rounded to the input dtype (what backward saves), and act on the fp32
+        # sums, as Inductor does with peft's cast fused into this consumer (a small LoRA term survives)
         if HAS_GATE_LORA:
             gate_lora = tl.load(gate_lora_ptr + rows * gate_lora_row_stride + cols, mask=mask, other=0.0)
-            g = (g + gate_scale * gate_lora.to(tl.float32)).to(gate_sum_ptr.dtype.element_ty)
-            tl.store(gate_sum_ptr + rows * gate_sum_row_stride + cols, g, mask=mask)
-            g = g.to(tl.float32)
+            g = g + gate_scale * gate_lora.to(tl.float32)
+            tl.store(gate_sum_ptr + rows * gate_sum_row_stride + cols, g.to(gate_sum_ptr.dtype.element_ty), mask=mask)
         if HAS_UP_LORA:
             up_lora = tl.load(up_lora_ptr + rows * up_lora_row_stride + cols, mask=mask, other=0.0)
-            u = (u + up_scale * up_lora.to(tl.float32)).to(up_sum_ptr.dtype.element_ty)
-            tl.store(up_sum_ptr + rows * up_sum_row_stride + cols, u, mask=mask)
-            u = u.to(tl.float32)
+            u = u + up_scale * up_lora.to(tl.float32)
+            tl.store(up_sum_ptr + rows * up_sum_row_stride + cols, u.to(up_sum_ptr.dtype.element_ty), mask=mask)
         act, _ = _activation_and_grad(g, ACTIVATION)
         out = act * u
         tl.store(out_ptr + rows * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -636,23 +644,57 @@ def gated_activation_op(
     gate_scale: float,
     up_scale: float,
     activation: str,
+    gate_wide: torch.Tensor | None = None,
+    up_wide: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, g, u): g / u are the LoRA sums backward saves, or empty tensors without that LoRA term."""
+    """Returns (out, g, u): g / u are the LoRA sums backward saves, or empty tensors without that LoRA term.
+
+    ``gate_wide`` / ``up_wide`` (fp32, gate's shape; only without LoRA terms): the values ``gate`` / ``up`` are
+    the rounding of (``fuser::lora_sum_wide``): the product is computed from them, ``gate`` and ``up`` are
+    saved, and the gradients are those of ``gate`` and ``up``."""
+    if gate_wide is not None or up_wide is not None:
+        _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
+        out, _, _ = gated_activation_forward(
+            gate if gate_wide is None else gate_wide,
+            up if up_wide is None else up_wide,
+            None,
+            None,
+            gate_scale,
+            up_scale,
+            activation,
+            out_dtype=gate.dtype,
+        )
+        return out, gate.new_empty(0), up.new_empty(0)
     return gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation)
 
 
-def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation):
+def _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide) -> None:
+    if gate_lora is not None or up_lora is not None:
+        raise ValueError("fuser: gated_activation takes gate_wide/up_wide only without LoRA terms")
+    for name, wide, narrow in (("gate_wide", gate_wide, gate), ("up_wide", up_wide, up)):
+        if wide is not None and (wide.shape != narrow.shape or wide.dtype != torch.float32):
+            raise ValueError(
+                f"fuser: gated_activation expects {name} in fp32 of shape {tuple(narrow.shape)}, "
+                f"got {wide.dtype} {tuple(wide.shape)}"
+            )
+
+
+def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation, out_dtype=None):
     """The op's forward as a plain function (the same kernel or reference path, so the same values): what
-    ``fuser::upcast_linear_gated``'s backward recomputes the product with."""
+    ``fuser::upcast_linear_gated``'s backward recomputes the product with. ``out_dtype``: the product's dtype
+    (default gate's; without LoRA terms only)."""
     _check_inputs(gate, up, gate_lora, up_lora, activation)
     if use_triton(gate) and triton_supports(gate):
+        out = None if out_dtype is None else torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
         out, gate_sum, up_sum = gated_activation_forward_triton(
-            gate, up, activation, gate_lora, up_lora, gate_scale, up_scale
+            gate, up, activation, gate_lora, up_lora, gate_scale, up_scale, out=out
         )
     else:
         out, gate_sum, up_sum = gated_activation_reference_forward(
             gate, up, activation, gate_lora, up_lora, gate_scale, up_scale
         )
+        if out_dtype is not None:  # the reference's product in gate's dtype: fp32 here (the wide sums)
+            out = out.to(out_dtype)
         out = out.contiguous()
         gate_sum = gate_sum.contiguous() if gate_sum is not None else None
         up_sum = up_sum.contiguous() if up_sum is not None else None
@@ -660,8 +702,10 @@ def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale,
 
 
 @gated_activation_op.register_fake
-def _(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation):
+def _(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation, gate_wide=None, up_wide=None):
     _check_inputs(gate, up, gate_lora, up_lora, activation)
+    if gate_wide is not None or up_wide is not None:
+        _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
     return (
         gate.new_empty(gate.shape),
         gate.new_empty(gate.shape if gate_lora is not None else 0),
@@ -732,7 +776,8 @@ def _(dout, g, u, gate_scale, up_scale, activation):
 
 
 def _setup_context(ctx, inputs, output):
-    gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = inputs
+    gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = inputs[:7]  # (gate_wide, up_wide): not saved
+    ctx.n_inputs = len(inputs)
     _, gate_sum, up_sum = output
     # save g and u (the sums under LoRA), never act(g): backward recomputes it
     ctx.save_for_backward(gate if gate_lora is None else gate_sum, up if up_lora is None else up_sum)
@@ -751,12 +796,13 @@ def _backward(ctx, dout, _dgate_sum, _dup_sum):
     g, u = ctx.saved_tensors
     needs = ctx.needs_input_grad
     wanted = (needs[0], needs[1], needs[2] and ctx.has_gate_lora, needs[3] and ctx.has_up_lora)
+    rest = (None,) * (ctx.n_inputs - 4)  # scales, activation and the wide sums: not differentiable
     if dout is None or not any(wanted):
-        return None, None, None, None, None, None, None
+        return None, None, None, None, *rest
     grads = torch.ops.fuser.gated_activation_backward(
         dout, g, u, ctx.gate_scale, ctx.up_scale, *wanted, ctx.activation, *ctx.lora_dtypes
     )
-    return (*(t if w else None for t, w in zip(grads, wanted, strict=True)), None, None, None)
+    return (*(t if w else None for t, w in zip(grads, wanted, strict=True)), *rest)
 
 
 gated_activation_op.register_autograd(_backward, setup_context=_setup_context)

@@ -68,19 +68,29 @@ def reference(
 
 @torch.library.custom_op("fuser::lora_sum", mutates_args=())
 def lora_sum_op(
-    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool = False
+    base: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+    round_term: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """``out_dtype`` (not with ``round_term``): the sum's dtype instead of the base's: fp32 where the sum feeds a
+    residual add that rounds once (``(h + sum).to(bf16)``), as Inductor computes peft's cast fused into the add."""
     _check(base, a, weight)
+    dtype = base.dtype if out_dtype is None else out_dtype
     if triton_path(base, a, weight):
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
         rows = U._rows(base).contiguous()
-        return U._dx_triton(a, weight.t(), base.dtype, rows, scale, round_term).view(base.shape)
+        return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
+    if out_dtype is not None and not round_term:
+        return (base + F.linear(a, weight) * scale).to(dtype)
     return reference(base, a, weight, scale, round_term)
 
 
 @lora_sum_op.register_fake
-def _(base, a, weight, scale, round_term=False):
-    return torch.empty_like(base)
+def _(base, a, weight, scale, round_term=False, out_dtype=None):
+    return torch.empty_like(base, dtype=base.dtype if out_dtype is None else out_dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum_grads", mutates_args=())
@@ -119,6 +129,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g):
     a, weight = ctx.saved_tensors
+    # an fp32 sum (out_dtype) receives the residual's gradient, which is the base dtype's upcast: casting it back
+    # is exact, and the kernels then read it in the half precision they are written for
+    g = g.to(ctx.base_dtype)
     need_base, need_a, need_w = ctx.needs_input_grad[:3]
     da = dw = None
     if need_a or need_w:
@@ -128,6 +141,45 @@ def _backward(ctx, g):
 
 
 lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fuser::lora_sum_wide", mutates_args=())
+def lora_sum_wide_op(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, wide)``: ``out`` is ``fuser::lora_sum``'s (the rounded sum, the differentiable result), ``wide`` the
+    same sum before its rounding, in fp32 (not differentiable).
+
+    peft's sum ``base + s · lora`` rounds away a LoRA term smaller than half a bf16 ulp of ``base`` (B starts at
+    zero, so early in training every term is): a bf16 base is exact in bf16, so the rounded sum is the base
+    itself. Inductor fuses peft's ``.to(bf16)`` into the kernel that consumes the sum and computes from the fp32
+    value. A gated activation fed this op computes its product from ``wide`` the same way, and saves ``out``.
+    """
+    _check(base, a, weight)
+    if triton_path(base, a, weight):
+        rows = U._rows(base).contiguous()
+        wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+        out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
+        return out, wide
+    wide = base.to(torch.float32) + F.linear(a, weight).to(torch.float32) * scale
+    return wide.to(base.dtype), wide
+
+
+@lora_sum_wide_op.register_fake
+def _(base, a, weight, scale):
+    return torch.empty_like(base), torch.empty_like(base, dtype=torch.float32)
+
+
+def _setup_context_wide(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_wide(ctx, g, _g_wide):
+    return _backward(ctx, g)
+
+
+lora_sum_wide_op.register_autograd(_backward_wide, setup_context=_setup_context_wide)
 
 
 def lora_sum(

@@ -80,13 +80,14 @@ if HAS_TRITON:
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
 
     @triton.jit
-    def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, scale, n_rows, n_in, n_out, w_stride_out,
-                                w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
-                                PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
-                                ROUND_TERM: tl.constexpr):  # fmt: skip
+    def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, wide_ptr, scale, n_rows, n_in, n_out,
+                                w_stride_out, w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                OUT_P: tl.constexpr, PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
+                                ROUND_TERM: tl.constexpr, HAS_WIDE: tl.constexpr):  # fmt: skip
         # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
         # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
-        # with ROUND_TERM the term rounded to dx's dtype first, as peft's bitsandbytes layers add it
+        # with ROUND_TERM the term rounded to dx's dtype first, as peft's bitsandbytes layers add it; HAS_WIDE
+        # also stores the unrounded fp32 value (fuser::lora_sum_wide: what a gated op computes its product from)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         outs = tl.arange(0, OUT_P)
@@ -104,6 +105,8 @@ if HAS_TRITON:
                 term = term.to(dx_ptr.dtype.element_ty).to(tl.float32)
             dx = base.to(tl.float32) + term
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if HAS_WIDE:
+            tl.store(wide_ptr + offsets, dx, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, n_rows, n_in, n_out, x_row_stride, rows_per_split,
@@ -211,12 +214,13 @@ def _dx_triton(
     scale: float = 1.0,
     round_term: bool = False,
     out: torch.Tensor | None = None,
+    wide_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(dy @ weight).to(dtype)`` (``weight`` [out, in], ≤ 64 rows, any strides), fp32 sums; with ``base``
     ([rows…, in], contiguous): ``(base + scale · (dy @ weight)).to(dtype)``, one rounding (``round_term``:
     ``base + (scale · (dy @ weight)).to(dtype)``, the term rounded first). ``out`` (contiguous, ``[rows, in]``
     elements of ``dtype``) receives the result, and may be ``base`` itself: each tile reads its base before it
-    writes the same tile."""
+    writes the same tile. ``wide_out`` (contiguous fp32, ``[rows, in]``) also receives the unrounded result."""
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
     n_rows, n_out = dy2.shape
     n_in = weight.shape[1]
@@ -225,8 +229,9 @@ def _dx_triton(
     if n_rows:
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
-            dy2, weight, dx, dx if base is None else base, float(scale), n_rows, n_in, n_out, weight.stride(0),
-            weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None, ROUND_TERM=round_term, **cfg,
+            dy2, weight, dx, dx if base is None else base, dx if wide_out is None else wide_out, float(scale),
+            n_rows, n_in, n_out, weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None,
+            ROUND_TERM=round_term, HAS_WIDE=wide_out is not None, **cfg,
         )  # fmt: skip
     return dx.view(*dy.shape[:-1], n_in)
 

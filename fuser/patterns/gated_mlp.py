@@ -268,8 +268,10 @@ def plain_gated_product(x: Any) -> tuple | None:
     gated = x.args[0]
     if not isinstance(gated, torch.fx.Node) or gated.target is not torch.ops.fuser.gated_activation.default:
         return None
-    if gated.kwargs:
+    if set(gated.kwargs) - {"gate_wide", "up_wide"}:
         return None
+    # with the unrounded LoRA sums (gate_wide, up_wide) the forward's product came from those; a recompute from the
+    # rounded gate and up it saves is what the gradients are taken at, as eager's backward takes them
     gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
     if gate_lora is not None or up_lora is not None:
         return None

@@ -11,7 +11,10 @@ Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/L
 
 from __future__ import annotations
 
+import operator
+
 import torch
+import torch.fx
 
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
 from fuser._compat import statically_equal
@@ -56,4 +59,97 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
     return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], scale, round_term))
 
 
-LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True)
+def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
+    """A LoRA sum that feeds a gated activation as its gate or up → ``fuser::lora_sum_wide``: the gated op computes
+    its product from the unrounded fp32 sum and saves the rounded one (issue 16: rounding ``base + s · lora`` to
+    bf16 erases a LoRA term smaller than half the base's ulp, and Inductor, which fuses peft's cast into the
+    consumer, does not round there); returns how many sums."""
+    import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
+
+    gated_op = torch.ops.fuser.gated_activation.default
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default:
+            continue
+        if len(node.args) > 4 and node.args[4]:  # QLoRA's order rounds the term itself: nothing to keep
+            continue
+        slots = [
+            (user, index)
+            for user in node.users
+            if user.op == "call_function" and user.target is gated_op and user.args[2] is None and user.args[3] is None
+            for index, arg in enumerate(user.args[:2])
+            if arg is node
+        ]
+        if not slots:
+            continue
+        base, a, w, scale = node.args[:4]
+        with graph.inserting_before(node):
+            pair = graph.call_function(torch.ops.fuser.lora_sum_wide.default, (base, a, w, scale))
+            narrow = graph.call_function(operator.getitem, (pair, 0))
+            wide = graph.call_function(operator.getitem, (pair, 1))
+        example = node.meta.get("example_value")
+        if example is not None:
+            pair.meta["example_value"] = (example, example.to(torch.float32))
+            narrow.meta["example_value"] = example
+            wide.meta["example_value"] = pair.meta["example_value"][1]
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in node.meta:
+                pair.meta[key] = narrow.meta[key] = wide.meta[key] = node.meta[key]
+        node.replace_all_uses_with(narrow)
+        graph.erase_node(node)
+        for user, index in slots:
+            user.kwargs = {**user.kwargs, ("gate_wide", "up_wide")[index]: wide}
+        n += 1
+    return n
+
+
+_ADDS = (operator.add, torch.add)
+
+
+def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``h + node`` (either order) of two tensors of node's dtype and shape, with no alpha: a residual add."""
+    if user.op != "call_function" or user.target not in _ADDS or user.kwargs or len(user.args) != 2:
+        return False
+    other = user.args[1] if user.args[0] is node else user.args[0]
+    if other is node or not isinstance(other, torch.fx.Node):
+        return False
+    mine, theirs, out = (tensor_meta(v) for v in (node, other, user))
+    if mine is None or theirs is None or out is None:
+        return False
+    return theirs.dtype == mine.dtype == out.dtype and tuple(theirs.shape) == tuple(mine.shape) == tuple(out.shape)
+
+
+def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
+    """A LoRA sum whose only users are residual adds (o_proj, down_proj: ``h = h + sum``) stays fp32 and each add
+    rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
+    would erase a LoRA term below half the base's ulp (issue 16). Returns how many sums."""
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default or len(node.args) != 5:
+            continue
+        base, a, w, scale, round_term = node.args
+        if round_term or not node.users or not all(_residual_add(user, node) for user in node.users):
+            continue
+        half = tensor_meta(node).dtype
+        node.args = (base, a, w, scale, False, torch.float32)
+        if node.meta.get("example_value") is not None:
+            node.meta["example_value"] = node.meta["example_value"].to(torch.float32)
+        for add in list(node.users):
+            with graph.inserting_after(add):
+                rounded = graph.call_method("to", (add, half))
+            add.replace_all_uses_with(rounded, delete_user_cb=lambda user, keep=rounded: user is not keep)
+            example = add.meta.get("example_value")
+            rounded.meta.update({k: v for k, v in add.meta.items() if k != "example_value"})
+            if example is not None:
+                rounded.meta["example_value"] = example
+                add.meta["example_value"] = example.to(torch.float32)
+        n += 1
+    return n
+
+
+def refine_lora_sums(graph: torch.fx.Graph) -> int:
+    """The two refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
+    return keep_wide_sums_for_gated_ops(graph) + sum_into_residual_adds(graph)
+
+
+LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

@@ -272,8 +272,9 @@ def test_triton_bf16_load_store(activation, lora, gen):
 
 
 @interpreter
-def test_triton_lora_sum_is_rounded_before_act(gen):
-    """fp16: g is the fp16 rounding of gate + s·lora, exactly what the kernel saves, and act(g) uses that g."""
+def test_triton_lora_sum_is_saved_rounded_and_the_product_uses_the_exact_sum(gen):
+    """fp16: the saved g is the fp16 rounding of gate + s·lora; act(·)·up is computed from the unrounded fp32 sum
+    (as Inductor computes peft's ``(base + lora·s).to(half)`` fused into its consumer), issue 16."""
     gate, up, gate_lora, _, _, _, _ = make_inputs((16, 300), torch.float16, gen, "gate_lora")
     scale = 0.3  # not a power of two: the fp32 sum is not exactly representable in fp16
     out, gate_sum, _ = gated_activation_forward_triton(
@@ -290,9 +291,30 @@ def test_triton_lora_sum_is_rounded_before_act(gen):
     exact = fp64(gate) + scale * fp64(gate_lora)
     assert gate_sum.dtype == torch.float16
     assert ((fp64(gate_sum) - exact).abs() <= exact.abs() * 2.0**-11 + 2.0**-25).all(), "sum not rounded to nearest"
-    # act on the rounded g agrees to fp32 accuracy before the final fp16 store (≤ half an fp16 ulp)
-    expected = F.silu(fp64(gate_sum)) * fp64(up)
+    # act on the exact sum agrees to fp32 accuracy before the final fp16 store (≤ half an fp16 ulp)
+    expected = F.silu(exact) * fp64(up)
     assert ((fp64(out) - expected).abs() <= expected.abs() * 2.0**-11 + 2.0**-24).all()
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_a_lora_term_below_half_an_ulp_still_moves_the_product(gen, path):
+    """peft's LoRA B starts at zero: early terms are far below the base's half ulp. Rounding the sum first (eager)
+    gives act(base)·up exactly; the op's product must move with the term, as the fp32 computation's does."""
+    if path == "triton" and not (HAS_TRITON and interpreting()):
+        pytest.skip("the Triton path runs through the interpreter here (on a GPU: the GPU tests)")
+    gate, up, _, _, _, _, _ = make_inputs((64, 256), torch.float16, gen)
+    gate = gate.sign() * gate.abs().clamp_min(0.5)  # |gate| ≥ 0.5: half an ulp ≥ 2^-12, far above the term
+    tiny = torch.full(gate.shape, 3e-5, dtype=torch.float32)
+    forward = gated_activation_forward_triton if path == "triton" else gated_activation_reference_forward
+    out, g, _ = forward(gate, up, "silu", tiny, None, 1.0, 1.0)
+    assert torch.equal(g, gate), "the saved sum is the rounded one: the base itself"
+    exact = F.silu(fp64(gate) + 3e-5) * fp64(up)
+    rounded_first = (F.silu(fp64(gate)) * fp64(up)).to(torch.float16)
+    assert ((fp64(out) - exact).abs() <= exact.abs() * 2.0**-11 + 2.0**-24).all()
+    should_move = (exact.to(torch.float16) != rounded_first).float().mean()
+    assert should_move > 0.01, "the test's term must move some fp16 outputs"
+    moved = (out != rounded_first).float().mean()
+    assert moved >= 0.8 * should_move, f"the LoRA term was rounded away before the product ({moved} vs {should_move})"
 
 
 # Each layout builds a [R, I] (or [2, R/2, I]) tensor whose storage is not that of a contiguous tensor.
