@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call for issue 16's convergence table: each preset × lr as its own convergence.py run (fp32 reference,
+# eager bf16, Inductor bf16, fuser bf16), reports in $OUT. Usage (device tool): CASES="llama3-8b:lora:1e-5 ..." bash
+# benchmarks/gpu_convergence.sh   (a case is preset:method:lr[:layers]; LIMIT: seconds per case, default 200)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+for case in ${CASES:?}; do
+  IFS=: read -r preset method lr layers <<< "$case"
+  name="convergence_${preset}_${method}_lr${lr}"
+  timeout "${LIMIT:-200}" python3 benchmarks/convergence.py --preset "$preset" --methods "$method" --lr "$lr" \
+    ${layers:+--layers "$layers"} --runs eager-fp32,eager-bf16,inductor-bf16,fuser-bf16 \
+    --out "$OUT/$name.md" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$case rc=$?"; grep -E "^\| \`|PASS|FAIL" "$OUT/$name.md" 2>/dev/null | head -6 | cut -c1-150
+done
