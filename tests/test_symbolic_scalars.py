@@ -17,7 +17,7 @@ import torch
 
 import fuser
 from fuser.engine.match import is_symbolic_scalar, scalar_hint
-from tests.models.tiny import N_LAYERS, assert_training_step_equals_eager, batch, build, from_config, grads
+from tests.models.tiny import N_LAYERS, assert_training_step_equals_eager, batch, build, from_config, grads, rel
 
 NORMS = 2 * N_LAYERS + 1  # a Llama: input and post-attention norm per layer, and the final norm
 LLAMA_COUNTS = {"rms_norm": NORMS, "rope": N_LAYERS, "swiglu": N_LAYERS, "linear_cross_entropy": 1}
@@ -84,20 +84,24 @@ def test_explain_binds_a_symbolic_lora_scaling():
     assert {scalar_hint(m.found.bindings["scale"]) for m in sums} == {16 / 4}
 
 
-def test_lora_sum_with_a_changed_lora_alpha_is_bit_for_bit_eager():
-    """bf16 base, fp32 adapters (lora_sum's case), lora_alpha 8 then 16 in one process."""
+def test_lora_sum_with_a_changed_lora_alpha_uses_each_models_scale():
+    """bf16 base, fp32 adapters (lora_sum's case), lora_alpha 8 then 16 in one process: each model's step is
+    eager's (up to the o/down sums kept fp32 into their residual adds, issue 16), far closer to it than to the
+    other alpha's."""
     pytest.importorskip("peft")
     config = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
     backend = fuser.backend(config)
+    eager = {alpha: _step(copy.deepcopy(lora(alpha, torch.bfloat16)), None) for alpha in (8, 16)}
+    apart = abs(eager[8][0] - eager[16][0]).item()
+    assert apart > 1e-3, "the two alphas must give different losses for the test to tell them apart"
     for alpha in (8, 16):
-        model = lora(alpha, torch.bfloat16)
-        loss_ref, grads_ref = _step(copy.deepcopy(model), None)
-        loss, found = _step(model, config)
+        loss, found = _step(lora(alpha, torch.bfloat16), config)
         assert backend.results[-1].counts == {"lora_sum": 7 * N_LAYERS}, (alpha, backend.results[-1].counts)
-        assert torch.equal(loss, loss_ref), alpha
+        loss_ref, grads_ref = eager[alpha]
+        assert abs(loss - loss_ref).item() <= 0.1 * apart, (alpha, loss, loss_ref, apart)
         assert found.keys() == grads_ref.keys() and found
         for name, g in found.items():
-            assert torch.equal(g, grads_ref[name]), (alpha, name)
+            assert rel(g, grads_ref[name]) <= 5e-2, (alpha, name)
 
 
 def test_gated_mlp_absorbs_lora_sums_with_a_changed_lora_alpha():

@@ -147,9 +147,51 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     return n
 
 
+_VIEWS = ("view", "reshape", "transpose", "contiguous", "permute")
+
+
+def _chain_to_rope(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The views from ``node`` to a ``fuser::rope`` that rotates it (as q or k), if every path leads there; else
+    None."""
+    chain: list[torch.fx.Node] = []
+    for user in node.users:
+        if user.op == "call_function" and user.target is torch.ops.fuser.rope.default:
+            if node not in user.args[:2] or node in user.args[2:]:
+                return None
+            continue
+        if user.op != "call_method" or user.target not in _VIEWS or user.args[0] is not node:
+            return None
+        rest = _chain_to_rope(user)
+        if rest is None:
+            return None
+        chain += [user, *rest]
+    return chain
+
+
+def sum_into_rope(graph: torch.fx.Graph) -> int:
+    """A LoRA sum that only RoPE reads (q_proj, k_proj, through views) stays fp32: the rope op reads the fp32 q or
+    k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation (issue 16).
+    Returns how many sums."""
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default or len(node.args) != 5:
+            continue
+        base, a, w, scale, round_term = node.args
+        chain = _chain_to_rope(node) if node.users and not round_term else None
+        if not chain and not (node.users and all(u.target is torch.ops.fuser.rope.default for u in node.users)):
+            continue
+        node.args = (base, a, w, scale, False, torch.float32)
+        for changed in (node, *(chain or ())):
+            example = changed.meta.get("example_value")
+            if example is not None:
+                changed.meta["example_value"] = example.to(torch.float32)
+        n += 1
+    return n
+
+
 def refine_lora_sums(graph: torch.fx.Graph) -> int:
-    """The two refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
-    return keep_wide_sums_for_gated_ops(graph) + sum_into_residual_adds(graph)
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
+    return keep_wide_sums_for_gated_ops(graph) + sum_into_residual_adds(graph) + sum_into_rope(graph)
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

@@ -29,14 +29,22 @@ def test_on_by_default_and_counted():
     assert not [m for m in report.near_misses if m.pattern in ("swiglu", "lora_sum")], str(report)
 
 
-def test_alone_it_is_bit_for_bit_eager():
+def test_alone_it_is_eager_except_the_residual_sums_kept_fp32():
+    """Alone (no gated op, no RoPE op to feed), lora_sum computes peft's sums as eager does, except the o and down
+    sums, which feed residual adds: those stay fp32 and the add rounds once, as Inductor computes them (issue 16).
+    So the step is no longer eager's bit for bit: it is at least as close to fp32's."""
     config = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
-    loss_ref, grads_ref = lora_step(lora_model())
-    loss, grads = lora_step(lora_model(), config)
+    model = lora_model()
+    loss32, grads32 = lora_step(copy.deepcopy(model).float())
+    loss_ref, grads_ref = lora_step(copy.deepcopy(model))
+    loss, grads = lora_step(model, config)
     assert fuser.backend(config).counts == {"lora_sum": 7 * N_LAYERS}
-    assert torch.equal(loss, loss_ref)
+    assert fuser.backend(config).results[-1].refined == {"lora_sum": 2 * N_LAYERS}
+    assert abs(loss - loss32) <= 1.5 * abs(loss_ref - loss32) + 1e-3 * abs(loss32)
     for name, g in grads.items():
-        assert g.dtype == torch.float32 and torch.equal(g, grads_ref[name]), name
+        assert g.dtype == torch.float32, name
+        err, err_eager = rel(g, grads32[name]), rel(grads_ref[name], grads32[name])
+        assert err <= 1.5 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {err_eager:.2e} vs fp32"
 
 
 def close_to_fp32_as_eager(dtype, config):
