@@ -154,6 +154,16 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             q, k, cos[..., :32], cos[..., :32], 32, "interleaved"
         ),  # fmt: skip
         "rope backward": lambda: ops["rope_backward_op"](q, k, cos, cos, 64, "half"),
+        # autocast (half q/k, fp32 cos/sin, fp32 result) and issue 16 (fp32 q/k sums, half cos/sin and result)
+        "rope, mixed dtypes": lambda: ops["rope_op"](
+            q, k, cos.to(torch.float32), cos.to(torch.float32), 64, "half", torch.float32
+        ),  # fmt: skip
+        "rope, fp32 q/k into a half result": lambda: ops["rope_op"](
+            q.to(torch.float32), k.to(torch.float32), cos, cos, 64, "half", dt
+        ),  # fmt: skip
+        "swiglu from the wide sums": lambda: ops["gated_activation_op"](
+            g, u, None, None, 1.0, 1.0, "silu", lora, lora
+        ),  # fmt: skip
         "linear_cross_entropy": lambda: ops["linear_cross_entropy_op"](
             h, vocab_w, None, labels, -100, "mean", 1.0, 0.0, True, True, False
         ),
@@ -182,6 +192,8 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False),
             "lora_sum, QLoRA order": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, True),
             "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),
+            "lora_sum, fp32 out": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False, torch.float32),
+            "lora_sum_wide (rounded and fp32 sums)": lambda: ops["lora_sum_wide_op"](x, x32, b32, 2.0),
         }
     return scenarios
 
