@@ -122,8 +122,7 @@ def _reference_sum(base: torch.Tensor, lora: torch.Tensor | None, scale: float) 
     """base + scale · lora in the compute dtype, rounded to the input dtype (None without a LoRA term)."""
     if lora is None:
         return None
-    compute = compute_dtype(base)
-    return (base.to(compute) + scale * lora.to(compute)).to(base.dtype)
+    return _reference_wide(base, lora, scale, compute_dtype(base)).to(base.dtype)
 
 
 def gated_activation_reference_forward(

@@ -58,12 +58,18 @@ def triton_path(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bo
 
 
 def reference(
-    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool = False
+    base: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+    round_term: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """What peft's graph computes, op by op (``round_term``: its bitsandbytes layers' order)."""
+    """What peft's graph computes, op by op (``round_term``: its bitsandbytes layers' order); ``out_dtype``: the
+    sum cast to that dtype instead of the base's."""
     if round_term:
         return base + (F.linear(a, weight) * scale).to(base.dtype)
-    return (base + F.linear(a, weight) * scale).to(base.dtype)
+    return (base + F.linear(a, weight) * scale).to(base.dtype if out_dtype is None else out_dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum", mutates_args=())
@@ -83,9 +89,7 @@ def lora_sum_op(
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
         rows = U._rows(base).contiguous()
         return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
-    if out_dtype is not None and not round_term:
-        return (base + F.linear(a, weight) * scale).to(dtype)
-    return reference(base, a, weight, scale, round_term)
+    return reference(base, a, weight, scale, round_term, out_dtype)
 
 
 @lora_sum_op.register_fake
@@ -161,7 +165,7 @@ def lora_sum_wide_op(
         wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
         out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
         return out, wide
-    wide = base.to(torch.float32) + F.linear(a, weight).to(torch.float32) * scale
+    wide = reference(base, a, weight, scale, out_dtype=torch.float32)
     return wide.to(base.dtype), wide
 
 

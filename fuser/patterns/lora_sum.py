@@ -59,6 +59,30 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
     return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], scale, round_term))
 
 
+def _rounded_sums(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The ``fuser::lora_sum`` calls that still round their sum to the base dtype (no refinement has touched them),
+    and that something uses. QLoRA's order is not among them: it rounds the term itself, nothing to keep."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.target is torch.ops.fuser.lora_sum.default
+        and len(node.args) in (4, 5)
+        and not (len(node.args) == 5 and node.args[4])
+        and node.users
+    ]
+
+
+def _keep_fp32(node: torch.fx.Node, views: tuple[torch.fx.Node, ...] = ()) -> None:
+    """Make ``node`` (a rounded LoRA sum) return its fp32 sum; ``views`` of it carry fp32 too."""
+    base, a, w, scale = node.args[:4]
+    node.args = (base, a, w, scale, False, torch.float32)
+    for changed in (node, *views):
+        example = changed.meta.get("example_value")
+        if example is not None:
+            changed.meta["example_value"] = example.to(torch.float32)
+
+
 def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
     """A LoRA sum that feeds a gated activation as its gate or up → ``fuser::lora_sum_wide``: the gated op computes
     its product from the unrounded fp32 sum and saves the rounded one (issue 16: rounding ``base + s · lora`` to
@@ -68,11 +92,7 @@ def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
 
     gated_op = torch.ops.fuser.gated_activation.default
     n = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default:
-            continue
-        if len(node.args) > 4 and node.args[4]:  # QLoRA's order rounds the term itself: nothing to keep
-            continue
+    for node in _rounded_sums(graph):
         slots = [
             (user, index)
             for user in node.users
@@ -124,16 +144,11 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
     would erase a LoRA term below half the base's ulp (issue 16). Returns how many sums."""
     n = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default or len(node.args) != 5:
-            continue
-        base, a, w, scale, round_term = node.args
-        if round_term or not node.users or not all(_residual_add(user, node) for user in node.users):
+    for node in _rounded_sums(graph):
+        if not all(_residual_add(user, node) for user in node.users):
             continue
         half = tensor_meta(node).dtype
-        node.args = (base, a, w, scale, False, torch.float32)
-        if node.meta.get("example_value") is not None:
-            node.meta["example_value"] = node.meta["example_value"].to(torch.float32)
+        _keep_fp32(node)
         for add in list(node.users):
             with graph.inserting_after(add):
                 rounded = graph.call_method("to", (add, half))
@@ -173,18 +188,11 @@ def sum_into_rope(graph: torch.fx.Graph) -> int:
     k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation (issue 16).
     Returns how many sums."""
     n = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.fuser.lora_sum.default or len(node.args) != 5:
+    for node in _rounded_sums(graph):
+        chain = _chain_to_rope(node)
+        if chain is None:
             continue
-        base, a, w, scale, round_term = node.args
-        chain = _chain_to_rope(node) if node.users and not round_term else None
-        if not chain and not (node.users and all(u.target is torch.ops.fuser.rope.default for u in node.users)):
-            continue
-        node.args = (base, a, w, scale, False, torch.float32)
-        for changed in (node, *(chain or ())):
-            example = changed.meta.get("example_value")
-            if example is not None:
-                changed.meta["example_value"] = example.to(torch.float32)
+        _keep_fp32(node, tuple(chain))
         n += 1
     return n
 
