@@ -46,13 +46,16 @@ def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def triton_path(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs."""
+def triton_path(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, base_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
+) -> bool:
+    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs. The gradients'
+    kernels read ``g`` (in ``base``'s place) in its own dtype, at fp32 accuracy: half or fp32."""
     return (
         U.triton_enabled(base)
         and weight.dtype == torch.float32
         and a.dtype == torch.float32
-        and base.dtype in HALF_DTYPES
+        and base.dtype in base_dtypes
         and 0 < weight.shape[1] <= U.TRITON_MAX_OUT
     )
 
@@ -101,9 +104,10 @@ def _(base, a, weight, scale, round_term=False, out_dtype=None):
 def lora_sum_grads(
     g: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, need_a: bool, need_w: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da in a's dtype, dB in B's dtype), each 0-element where not asked for."""
+    """(da in a's dtype, dB in B's dtype), each 0-element where not asked for; ``g`` is read in its own dtype
+    (half, or fp32 where the consumer's backward kept it unrounded)."""
     da, dw = a.new_empty(0), weight.new_empty(0)
-    if triton_path(g, a, weight):
+    if triton_path(g, a, weight, base_dtypes=(*HALF_DTYPES, torch.float32)):
         if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
             da = U._forward_triton(g, weight.t()).mul_(scale)
         if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
@@ -133,15 +137,22 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g):
     a, weight = ctx.saved_tensors
-    # an fp32 sum (out_dtype) receives the residual's gradient, which is the base dtype's upcast: casting it back
-    # is exact, and the kernels then read it in the half precision they are written for
-    g = g.to(ctx.base_dtype)
+    # an fp32 sum (out_dtype, lora_sum_wide's fp32 result) receives an fp32 gradient: the adapter's gradients are
+    # computed from it unrounded, as Inductor computes them from the consumer's fused backward; the base's is
+    # rounded to its dtype
     need_base, need_a, need_w = ctx.needs_input_grad[:3]
     da = dw = None
     if need_a or need_w:
         da, dw = torch.ops.fuser.lora_sum_grads(g, a, weight, ctx.scale, need_a, need_w)
     dbase = g.to(ctx.base_dtype) if need_base else None
     return dbase, (da if need_a else None), (dw if need_w else None), *[None] * (ctx.n_inputs - 3)
+
+
+def _summed(g: torch.Tensor | None, g_wide: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient of lora_sum_wide's sum: its rounded result's (half) plus its fp32 result's (fp32)."""
+    if g is None or g_wide is None:
+        return g_wide if g is None else g
+    return g_wide + g
 
 
 lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
@@ -152,7 +163,7 @@ def lora_sum_wide_op(
     base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, wide)``: ``out`` is ``fuser::lora_sum``'s (the rounded sum, the differentiable result), ``wide`` the
-    same sum before its rounding, in fp32 (not differentiable).
+    same sum before its rounding, in fp32 (differentiable too: its gradient is added to ``out``'s, in fp32).
 
     peft's sum ``base + s · lora`` rounds away a LoRA term smaller than half a bf16 ulp of ``base`` (B starts at
     zero, so early in training every term is): a bf16 base is exact in bf16, so the rounded sum is the base
@@ -176,10 +187,13 @@ def _(base, a, weight, scale):
 
 def _setup_context_wide(ctx, inputs, output):
     _setup_context(ctx, inputs, output)
-    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
-def _backward_wide(ctx, g, _g_wide):
+def _backward_wide(ctx, g, g_wide):
+    g = _summed(g, g_wide)
+    if g is None:
+        return (None,) * ctx.n_inputs
     return _backward(ctx, g)
 
 

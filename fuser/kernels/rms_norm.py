@@ -62,8 +62,10 @@ def rms_norm_reference_backward(
     norm_dtype: torch.dtype | None = None,
     compute_dweight: bool = True,
     rstd: torch.Tensor | None = None,
+    dx_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written backward (not autograd of the forward): returns (dx, dweight or None).
+    """The hand-written backward (not autograd of the forward): returns (dx in ``dx_dtype``, default x's, and
+    dweight or None).
 
     ``rstd`` (shape ``x.shape[:-1]``) is the forward's saved statistic; without it, it is recomputed.
     """
@@ -82,7 +84,7 @@ def rms_norm_reference_backward(
     if weight is not None and compute_dweight:
         n_w = n if norm_dtype is None else n.to(norm_dtype).to(compute)
         dweight = (dyc * n_w).reshape(-1, n_cols).sum(0).to(weight.dtype)
-    return dx.to(x.dtype), dweight
+    return dx.to(dx_dtype or x.dtype), dweight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -276,13 +278,15 @@ def rms_norm_backward_triton(
     compute_dweight: bool = True,
     dx_out: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
+    dx_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel; ``rstd`` is the forward's (recomputed in the kernel when ``None``)."""
+    """Launch the backward kernel; ``rstd`` is the forward's (recomputed in the kernel when ``None``); dx in
+    ``dx_dtype`` (default x's)."""
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     weight = weight.contiguous() if weight is not None else None
     dy2 = _as_rows(dy)
-    dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
     dx2 = dx.view(-1, n_cols)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
@@ -334,9 +338,19 @@ def rms_norm_op(
     offset: float,
     norm_dtype: torch.dtype | None,
     out_dtype: torch.dtype | None,
+    x_wide: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (y, rstd); rstd (fp32, ``x.shape[:-1]``) is what backward needs besides x and the weight."""
+    """Returns (y, rstd); rstd (fp32, ``x.shape[:-1]``) is what backward needs besides x and the weight.
+
+    ``x_wide`` (fp32, x's shape): the value ``x`` is the rounding of (a LoRA or residual sum before its cast to x's
+    dtype). The norm and rstd are computed from it, as Inductor computes a norm fused with the sum's cast; ``x`` is
+    saved, and the gradient (fp32) goes to ``x_wide`` when it requires one, else to ``x``. The result defaults to
+    x's dtype."""
     check_floating("rms_norm", x=x, weight=weight)
+    if x_wide is not None:
+        _check_wide(x, x_wide)
+        out_dtype = out_dtype or x.dtype
+        x = x_wide
     if use_triton(x) and triton_supports(x):
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd), rstd
@@ -344,8 +358,18 @@ def rms_norm_op(
     return y, rms_norm_reference_rstd(x, eps).float()
 
 
+def _check_wide(x: torch.Tensor, x_wide: torch.Tensor) -> None:
+    if x_wide.dtype != torch.float32 or x_wide.shape != x.shape:
+        raise ValueError(
+            f"fuser: rms_norm expects x_wide in fp32 of x's shape {tuple(x.shape)}, "
+            f"got {x_wide.dtype} {tuple(x_wide.shape)}"
+        )
+
+
 @rms_norm_op.register_fake
-def _(x, weight, eps, offset, norm_dtype, out_dtype):
+def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
+    if x_wide is not None:
+        _check_wide(x, x_wide)
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -359,24 +383,30 @@ def rms_norm_backward_op(
     offset: float,
     norm_dtype: torch.dtype | None,
     compute_dweight: bool,
+    dx_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor)."""
+    args = (dy, x, weight, eps, offset, norm_dtype, compute_dweight)
     if use_triton(x) and triton_supports(x):
-        dx, dw = rms_norm_backward_triton(dy, x, weight, eps, offset, norm_dtype, compute_dweight, rstd=rstd)
+        dx, dw = rms_norm_backward_triton(*args, rstd=rstd, dx_dtype=dx_dtype)
     else:
-        dx, dw = rms_norm_reference_backward(dy, x, weight, eps, offset, norm_dtype, compute_dweight, rstd=rstd)
+        dx, dw = rms_norm_reference_backward(*args, rstd=rstd, dx_dtype=dx_dtype)
         dx = dx.contiguous()
     # custom ops cannot return None: an empty tensor stands for "no weight gradient"
     return dx, dw if dw is not None else x.new_empty(0)
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight):
+def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None):
     has_dw = weight is not None and compute_dweight
-    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
+    dx = x.new_empty(x.shape, dtype=dx_dtype or x.dtype)
+    return dx, (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, norm_dtype, _ = inputs
+    x, weight, eps, offset, norm_dtype = inputs[:5]  # (out_dtype, x_wide): not needed, x_wide not saved
+    ctx.n_inputs = len(inputs)
+    ctx.has_wide = len(inputs) > 6 and inputs[6] is not None
     ctx.save_for_backward(x, weight, output[1])
     ctx.eps, ctx.offset, ctx.norm_dtype = eps, offset, norm_dtype
     ctx.set_materialize_grads(False)
@@ -386,12 +416,20 @@ def _backward(ctx, dy, _drstd):
     # rstd is a statistic handed to backward, not a differentiable output: its gradient is ignored
     x, weight, rstd = ctx.saved_tensors
     compute_dweight = weight is not None and ctx.needs_input_grad[1]
-    if dy is None or not (ctx.needs_input_grad[0] or compute_dweight):
-        return None, None, None, None, None, None
+    # with x_wide the gradient goes to it, in fp32 (x is its rounding: the cast's backward passes the gradient
+    # through, so either input may take it; the fp32 one keeps it unrounded for a LoRA adapter's gradients, as
+    # Inductor computes the norm's backward fused with the cast's)
+    to_wide = ctx.has_wide and ctx.needs_input_grad[6]
+    need_dx = ctx.needs_input_grad[0] or to_wide
+    rest = [None] * (ctx.n_inputs - 2)  # eps, offset, the dtypes, and x_wide unless it takes the gradient
+    if dy is None or not (need_dx or compute_dweight):
+        return None, None, *rest
     dx, dw = torch.ops.fuser.rms_norm_backward(
-        dy, x, weight, rstd, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight
+        dy, x, weight, rstd, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight, torch.float32 if to_wide else None
     )
-    return (dx if ctx.needs_input_grad[0] else None), (dw if compute_dweight else None), None, None, None, None
+    if to_wide:
+        rest[4] = dx
+    return (dx if ctx.needs_input_grad[0] and not to_wide else None), (dw if compute_dweight else None), *rest
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)

@@ -83,6 +83,27 @@ def _keep_fp32(node: torch.fx.Node, views: tuple[torch.fx.Node, ...] = ()) -> No
             changed.meta["example_value"] = example.to(torch.float32)
 
 
+def _split_wide(graph: torch.fx.Graph, node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Replace ``node`` (a rounded LoRA sum) by ``fuser::lora_sum_wide``: returns its (rounded, fp32) results; the
+    rounded one takes every use of ``node``."""
+    base, a, w, scale = node.args[:4]
+    with graph.inserting_before(node):
+        pair = graph.call_function(torch.ops.fuser.lora_sum_wide.default, (base, a, w, scale))
+        narrow = graph.call_function(operator.getitem, (pair, 0))
+        wide = graph.call_function(operator.getitem, (pair, 1))
+    example = node.meta.get("example_value")
+    if example is not None:
+        pair.meta["example_value"] = (example, example.to(torch.float32))
+        narrow.meta["example_value"] = example
+        wide.meta["example_value"] = pair.meta["example_value"][1]
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in node.meta:
+            pair.meta[key] = narrow.meta[key] = wide.meta[key] = node.meta[key]
+    node.replace_all_uses_with(narrow)
+    graph.erase_node(node)
+    return narrow, wide
+
+
 def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
     """A LoRA sum that feeds a gated activation as its gate or up → ``fuser::lora_sum_wide``: the gated op computes
     its product from the unrounded fp32 sum and saves the rounded one (issue 16: rounding ``base + s · lora`` to
@@ -102,21 +123,7 @@ def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
         ]
         if not slots:
             continue
-        base, a, w, scale = node.args[:4]
-        with graph.inserting_before(node):
-            pair = graph.call_function(torch.ops.fuser.lora_sum_wide.default, (base, a, w, scale))
-            narrow = graph.call_function(operator.getitem, (pair, 0))
-            wide = graph.call_function(operator.getitem, (pair, 1))
-        example = node.meta.get("example_value")
-        if example is not None:
-            pair.meta["example_value"] = (example, example.to(torch.float32))
-            narrow.meta["example_value"] = example
-            wide.meta["example_value"] = pair.meta["example_value"][1]
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in node.meta:
-                pair.meta[key] = narrow.meta[key] = wide.meta[key] = node.meta[key]
-        node.replace_all_uses_with(narrow)
-        graph.erase_node(node)
+        _, wide = _split_wide(graph, node)
         for user, index in slots:
             user.kwargs = {**user.kwargs, ("gate_wide", "up_wide")[index]: wide}
         n += 1
@@ -142,7 +149,9 @@ def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     """A LoRA sum whose only users are residual adds (o_proj, down_proj: ``h = h + sum``) stays fp32 and each add
     rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
-    would erase a LoRA term below half the base's ulp (issue 16). Returns how many sums."""
+    would erase a LoRA term below half the base's ulp (issue 16). A norm of the new residual (the next norm of
+    every decoder layer) gets the fp32 add as ``x_wide``: it normalises the unrounded sum, as Inductor computes
+    the norm fused with the add. Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
         if not all(_residual_add(user, node) for user in node.users):
@@ -158,8 +167,25 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
             if example is not None:
                 rounded.meta["example_value"] = example
                 add.meta["example_value"] = example.to(torch.float32)
+            for norm in _norms_of(rounded):  # the next norm reads the new residual: from the fp32 add
+                norm.kwargs = {**norm.kwargs, "x_wide": add}
         n += 1
     return n
+
+
+def _norms_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``fuser::rms_norm`` calls that normalise ``node`` (as their x) and have no fp32 value for it yet."""
+    import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
+
+    return [
+        user
+        for user in node.users
+        if user.op == "call_function"
+        and user.target is torch.ops.fuser.rms_norm.default
+        and user.args[0] is node
+        and node not in user.args[1:]
+        and user.kwargs.get("x_wide") is None
+    ]
 
 
 _VIEWS = ("view", "reshape", "transpose", "contiguous", "permute")
@@ -197,9 +223,71 @@ def sum_into_rope(graph: torch.fx.Graph) -> int:
     return n
 
 
+def _chain_to_norms(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]] | None:
+    """``(node's view or node itself, the norm that reads it)`` for every path from ``node`` through views, if
+    every path ends at a ``fuser::rms_norm`` that normalises it (q/k norms, Gemma's post-projection norms); else
+    None."""
+    found: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+    norms = _norms_of(node)
+    for user in node.users:
+        if user in norms:
+            found.append((node, user))
+            continue
+        if user.op != "call_method" or user.target not in _VIEWS or user.args[0] is not node:
+            return None
+        if any(isinstance(arg, torch.fx.Node) for arg in (*user.args[1:], *user.kwargs.values())):
+            return None  # a view whose shape is computed in the graph: not copied onto the fp32 value
+        rest = _chain_to_norms(user)
+        if rest is None:
+            return None
+        found += rest
+    return found
+
+
+def sum_into_norms(graph: torch.fx.Graph) -> int:
+    """A LoRA sum that only RMSNorms read (through views) → ``fuser::lora_sum_wide``: each norm is computed from the
+    fp32 sum (its ``x_wide``, the same views applied) and saves the rounded one, as Inductor computes a norm fused
+    with peft's cast (issue 16). Returns how many sums."""
+    n = 0
+    for node in _rounded_sums(graph):
+        uses = _chain_to_norms(node)
+        if not uses:
+            continue
+        narrow, wide = _split_wide(graph, node)
+        copies: dict[torch.fx.Node, torch.fx.Node] = {node: wide, narrow: wide}  # node: erased, read by a norm
+        for view, norm in uses:
+            wide_view = _copy_views(graph, view, narrow, copies)
+            norm.kwargs = {**norm.kwargs, "x_wide": wide_view}
+        n += 1
+    return n
+
+
+def _copy_views(
+    graph: torch.fx.Graph, view: torch.fx.Node, narrow: torch.fx.Node, copies: dict[torch.fx.Node, torch.fx.Node]
+) -> torch.fx.Node:
+    """The fp32 counterpart of ``view`` (a chain of views from ``narrow``), built once per view."""
+    if view not in copies:
+        source = _copy_views(graph, view.args[0], narrow, copies)
+        with graph.inserting_after(view):
+            copy = graph.call_method(view.target, (source, *view.args[1:]), dict(view.kwargs))
+        example = view.meta.get("example_value")
+        if example is not None:
+            copy.meta["example_value"] = example.to(torch.float32)
+        copies[view] = copy
+    return copies[view]
+
+
 def refine_lora_sums(graph: torch.fx.Graph) -> int:
-    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
-    return keep_wide_sums_for_gated_ops(graph) + sum_into_residual_adds(graph) + sum_into_rope(graph)
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16). The rewrite leaves
+    the replaced blocks' dead nodes (a norm's input upcast) until the graph is recompiled: removed first, so that a
+    sum's users are its consumers."""
+    graph.eliminate_dead_code()
+    return (
+        keep_wide_sums_for_gated_ops(graph)
+        + sum_into_residual_adds(graph)
+        + sum_into_rope(graph)
+        + sum_into_norms(graph)
+    )
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

@@ -11,10 +11,13 @@ and optionally multiplies by a weight. What differs is where the casts are and h
     nanochat    no weight at all
     torch       F.rms_norm / nn.RMSNorm
 
-The fused op reproduces the explicit cast between the normalisation and the weight multiply (``norm_dtype``)
-and returns the root node's dtype, read from the graph's metadata (so autocast's dtypes are kept). ``eps`` is
-the literal, or, when Dynamo made it symbolic (a second model with another ``rms_norm_eps`` in one process), the
-graph's ``item()`` node: the op takes it from the graph, and the checks read the value it was traced with.
+The fused op rounds once, at its output: an explicit cast between the normalisation and the weight multiply
+(Llama's ``.to(in_dtype)``) is computed in fp32, as Inductor computes it fused. The result has the root node's
+dtype, read from the graph's metadata (so autocast's dtypes are kept). ``eps`` is the literal, or, when Dynamo
+made it symbolic (a second model with another ``rms_norm_eps`` in one process), the graph's ``item()`` node: the
+op takes it from the graph, and the checks read the value it was traced with. Where ``x`` is a LoRA sum or a
+residual add over one, the ``lora_sum`` pattern's refinements hand the op the sum's fp32 value as well
+(``x_wide``).
 """
 
 from __future__ import annotations
@@ -93,16 +96,14 @@ def check_rms_norm(found: Found, variant: Variant) -> Replacement:
     if out.dim() != xt.dim() or out.dtype not in FLOAT_DTYPES:
         raise Decline(f"result of rank {out.dim()} and dtype {out.dtype} is not a norm of the input")
 
-    norm_dtype = b.get("norm_dtype")
-    if variant.name == "F.rms_norm" and w is not None:
-        norm_dtype = xt.dtype  # aten's rms_norm casts the normalised value back to the input dtype first
-    if norm_dtype == torch.float64:
+    if b.get("norm_dtype") == torch.float64:
         raise Decline("normalised value is cast to fp64")
-    if norm_dtype == torch.float32:
-        norm_dtype = None
+    # The cast of the normalised value to the input dtype before the weight multiply (Llama's, and aten's
+    # rms_norm's) is not reproduced: Inductor fuses it with the multiply and elides the round trip, and the
+    # single rounding of the product is closer to fp32 (issue 16). The op's ``norm_dtype`` stays None.
     return Replacement(
         torch.ops.fuser.rms_norm.default,
-        (x, w, scalar_arg(eps_value), scalar_arg(b.get("offset", 0.0)), norm_dtype, out.dtype),
+        (x, w, scalar_arg(eps_value), scalar_arg(b.get("offset", 0.0)), None, out.dtype),
         output_index=0,  # (y, rstd)
     )
 

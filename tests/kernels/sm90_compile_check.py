@@ -135,8 +135,14 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
     scenarios = {
         "rms_norm": lambda: ops["rms_norm_op"](x, w, 1e-6, 0.0, None, None),
         "rms_norm, fp32 norm, gemma offset": lambda: ops["rms_norm_op"](x, w, 1e-6, 1.0, torch.float32, dt),
+        "rms_norm from the fp32 sum (x_wide)": lambda: ops["rms_norm_op"](
+            x, w, 1e-6, 0.0, None, dt, t(2, rows, hidden, dtype=torch.float32)
+        ),
         "rms_norm backward": lambda: ops["rms_norm_backward_op"](
             x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True
+        ),
+        "rms_norm backward, fp32 dx (to x_wide)": lambda: ops["rms_norm_backward_op"](
+            x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True, torch.float32
         ),
         "swiglu": lambda: ops["gated_activation_op"](g, u, None, None, 1.0, 1.0, "silu"),
         "geglu, fp32 LoRA terms": lambda: ops["gated_activation_op"](g, u, lora, lora, 2.0, 2.0, "gelu_tanh"),
@@ -192,6 +198,9 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False),
             "lora_sum, QLoRA order": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, True),
             "lora_sum grads": lambda: ops["lora_sum_grads"](x, x32, b32, 2.0, True, True),
+            "lora_sum grads from an fp32 g": lambda: ops["lora_sum_grads"](
+                t(2, rows, hidden, dtype=torch.float32), x32, b32, 2.0, True, True
+            ),
             "lora_sum, fp32 out": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False, torch.float32),
             "lora_sum_wide (rounded and fp32 sums)": lambda: ops["lora_sum_wide_op"](x, x32, b32, 2.0),
         }

@@ -38,7 +38,8 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build, monkeypatch)
     """One per layer (under checkpointing: inside the layers' nested graphs), and the training step is what it is
     without the refinement: bit for bit, except the down adapter's LoRA A gradient. The forward's product comes
     from the unrounded gate/up LoRA sums (lora_sum_wide, issue 16), the recompute from the rounded ones it saves:
-    that gradient then differs by the rounding of gate and up, within one bf16 ulp."""
+    that gradient then differs by the rounding of gate and up: within about two bf16 ulps (silu amplifies a
+    negative gate's rounding)."""
     since = len(fuser.backend(AOT).results)
     loss, grads = lora_step(build(), AOT)
     # lora_sum's refinements (issue 16), per layer: the gate and up sums keep their fp32 value for the gated op, the
@@ -52,7 +53,9 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build, monkeypatch)
     assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
     for name, g in grads.items():
         if "down_proj.lora_A" in name:
-            assert rel(g, grads_off[name]) <= 2.0**-8, name  # gate and up rounded: ≤ half an ulp each
+            # gate and up rounded: ≤ half an ulp each, and silu's relative sensitivity |1 + g·(1 − σ(g))| reaches
+            # ~3 at gates near −4, so the product moves by up to (1 + 3)·2⁻⁹ = 2⁻⁷
+            assert rel(g, grads_off[name]) <= 2.0**-7, name
         else:
             assert torch.equal(g, grads_off[name]), name
 
