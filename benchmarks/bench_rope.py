@@ -49,10 +49,12 @@ from bench_common import (
     rel_err,
     timing_columns,
 )
+from jobs import MODELS
 
 SHAPES = ((1, 8192), (4, 2048), (2, 8192), (4, 4096), (4, 8192))  # (B, T): B·T = 8192, 8192, 16384, 16384, 32768
-N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
-ROPE_THETA = 500000.0  # Llama 3
+LLAMA3_8B = MODELS["llama3-8b"].fields
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM = (LLAMA3_8B[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+ROPE_THETA = LLAMA3_8B["rope_parameters"]["rope_theta"]
 DTYPE = torch.bfloat16
 NOMINAL_COPY_TBPS = 4.3  # H200 device-to-device copy, bytes read + written
 

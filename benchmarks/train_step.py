@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import gzip
 import importlib.metadata
@@ -61,111 +60,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jobs import (
+    JOBS,
+    LORA,
+    MODE_TITLES,
+    MODELS,
+    MODES,
+    TINY_BATCH,
+    TINY_FIELDS,
+    TINY_SEQ,
+    TRAIN_STEP_LR,
+    Job,
+    model_config,
+)
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("eager", "compile", "liger", "fuser")
-MODE_TITLES = {"eager": "eager", "compile": "Inductor (torch.compile)", "liger": "Liger-Kernel", "fuser": "fuser"}
+
 VERSIONED = ("torch", "triton", "transformers", "peft", "liger-kernel", "bitsandbytes")
-LR = 1e-5
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
-
-# Public checkpoints' shapes: transformers config class and fields.
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # meta-llama/Meta-Llama-3-8B
-    "llama3-8b": (
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-            tie_word_embeddings=False,
-        ),
-    ),
-    # Qwen/Qwen3-8B
-    "qwen3-8b": (
-        "Qwen3Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=False,
-        ),
-    ),
-    # meta-llama/Llama-3.2-1B
-    "llama32-1b": (
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            tie_word_embeddings=True,
-        ),
-    ),
-}
-
-# --tiny: the same config at toy size (rope, tying and the config class stay the job's own)
-TINY_FIELDS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=8192,
-)
-TINY_BATCH, TINY_SEQ = 2, 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    model: str  # key of MODELS
-    method: str  # "lora", "qlora" (NF4 base + LoRA) or "full"
-    batch: int
-    seq: int
-    checkpointing: bool = False
-    about: str = ""
-
-
-JOBS = {
-    "llama3-8b-lora": Job("llama3-8b", "lora", 4, 2048, about="Llama-3-8B, LoRA r16 on all linear layers"),
-    "qwen3-8b-lora": Job("qwen3-8b", "lora", 4, 2048, about="Qwen3-8B, LoRA r16 on all linear layers"),
-    "llama32-1b-full": Job("llama32-1b", "full", 4, 2048, about="Llama-3.2-1B, full fine-tune"),
-    "llama3-8b-qlora": Job("llama3-8b", "qlora", 4, 2048, about="Llama-3-8B, QLoRA (bitsandbytes NF4 base) r16"),
-    "llama3-8b-lora-gc-32k": Job(
-        "llama3-8b", "lora", 1, 32768, checkpointing=True, about="Llama-3-8B, LoRA r16, gradient checkpointing"
-    ),
-    "llama3-8b-lora-16k": Job("llama3-8b", "lora", 1, 16384, about="Llama-3-8B, LoRA r16, no checkpointing"),
-}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,17 +86,16 @@ JOBS = {
 # ---------------------------------------------------------------------------------------------------------
 
 
-def model_config(job: Job, args: argparse.Namespace, seq: int):
-    import transformers
-
-    cls_name, fields = MODELS[job.model]
-    fields = dict(fields, use_cache=False, attn_implementation="sdpa")
+def job_config(job: Job, args: argparse.Namespace, seq: int):
+    """The job's transformers config: sdpa, no KV cache, ``--tiny`` and ``--layers`` applied, room for ``seq``."""
+    fields: dict[str, Any] = dict(use_cache=False, attn_implementation="sdpa")
     if args.tiny:
         fields.update(TINY_FIELDS)
     if args.layers is not None:
         fields["num_hidden_layers"] = args.layers
-    fields["max_position_embeddings"] = max(fields["max_position_embeddings"], seq)
-    return getattr(transformers, cls_name)(**fields)
+    positions = fields.get("max_position_embeddings", MODELS[job.model].fields["max_position_embeddings"])
+    fields["max_position_embeddings"] = max(positions, seq)
+    return model_config(job.model, **fields)
 
 
 def apply_liger(job: Job) -> None:
@@ -191,7 +103,7 @@ def apply_liger(job: Job) -> None:
     from liger_kernel import transformers as liger
 
     patch = {"LlamaConfig": liger.apply_liger_kernel_to_llama, "Qwen3Config": liger.apply_liger_kernel_to_qwen3}
-    patch[MODELS[job.model][0]](
+    patch[MODELS[job.model].config](
         rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
     )
 
@@ -227,7 +139,7 @@ def build_model(job: Job, args: argparse.Namespace, device: torch.device, dtype:
     """The job's model on ``device``: random weights, LoRA/QLoRA/checkpointing applied, in training mode."""
     import transformers
 
-    config = model_config(job, args, seq)
+    config = job_config(job, args, seq)
     torch.manual_seed(args.seed)
     with torch.device(device):  # initialise on the device: an 8B model's random init on the CPU takes minutes
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -366,7 +278,7 @@ def run_mode_into(result: dict[str, Any], args: argparse.Namespace, device: torc
     result["layers"] = model.config.num_hidden_layers
     result["params"] = sum(p.numel() for p in model.parameters())
     result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=TRAIN_STEP_LR, fused=True)
 
     if mode == "compile":
         model = torch.compile(model)
@@ -735,7 +647,7 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
     setup = (
         f"{job.about}: random weights with the public checkpoint's shapes"
         + (f" ({layers} layers)" if layers is not None else "")
-        + f", batch {batch}×{seq}, {any_result.get('dtype', 'bf16')}, sdpa, AdamW(fused), lr {LR:g}; "
+        + f", batch {batch}×{seq}, {any_result.get('dtype', 'bf16')}, sdpa, AdamW(fused), lr {TRAIN_STEP_LR:g}; "
         f"median of {steps} timed steps after {warmup} warm-up; peak = max_memory_allocated over the run; "
         f"warm-up = wall time of the warm-up steps, compilation included"
         + (" (tiny smoke-test config)" if any_result.get("tiny") else "")

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.models.tiny import load_benchmark
+
 
 @pytest.fixture(scope="module")
 def train_step():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
-    spec = importlib.util.spec_from_file_location("train_step", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_step")
 
 
 @pytest.fixture(autouse=True)
