@@ -1,4 +1,4 @@
-"""Pieces every kernel benchmark here shares: the timers, accuracy, the copy ceiling, and the markdown report."""
+"""Pieces the benchmarks here share: the kernel timers, accuracy, the copy ceiling, and markdown tables."""
 
 from __future__ import annotations
 
@@ -128,7 +128,9 @@ def timing_columns(times: dict, err: dict, nbytes: int, ceiling: float) -> list[
     return [fmt_ms(times[n], err[n]) for n in IMPLS] + fuser_cols + [ratio]
 
 
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+def markdown_table(columns: list[str], rows: list[list[str]], label_columns: int = 0) -> str:
+    """A markdown table; the first ``label_columns`` columns left-aligned, the others right-aligned."""
+    align = ["---" if i < label_columns else "---:" for i in range(len(columns))]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
