@@ -25,8 +25,8 @@ import torch
 from jobs import LORA, model_config
 
 MODES = ("none", "torch_compile", "fuser")
-# Llama-3-8B's widths with transformers' default rms_norm_eps (1e-6, not the checkpoint's 1e-5) and KV cache on,
-# as results/trainer_llama3-8b_lora_h200_2026-12-01.md was measured
+# Llama-3-8B, but with LlamaConfig's default rms_norm_eps (1e-6, not the checkpoint's 1e-5) and use_cache (True), as
+# results/trainer_llama3-8b_lora_h200_2026-12-01.md was measured
 FIELDS = dict(rms_norm_eps=1e-6, attn_implementation="sdpa")
 
 
