@@ -42,10 +42,12 @@ import torch.nn.functional as F
 from bench_common import (
     FAIL_ABOVE,
     IMPLS,
+    cuda_graph_ms,
     fmt_err,
     markdown_table,
     measure_copy_ceiling,
     rel_err,
+    time_graph_and_launched,
     timing_columns,
 )
 
@@ -146,12 +148,9 @@ def check(forward, g, u, dout, reference) -> float:
 
 def time_impl(forward, g, u, dout) -> tuple[float, float, float]:
     """Median ms: (forward + backward GPU time, forward-only GPU time, forward + backward launched from Python)."""
-    import triton.testing
-
     g = g.detach().clone().requires_grad_()
     u = u.detach().clone().requires_grad_()
     dout = dout.clone()
-    params = [g, u]
 
     def step():
         forward(g, u).backward(dout)
@@ -160,36 +159,8 @@ def time_impl(forward, g, u, dout) -> tuple[float, float, float]:
         with torch.no_grad():
             forward(g, u)
 
-    def reset_grads():
-        for p in params:
-            p.grad = None
-
-    # warm-up on a side stream, as CUDA-graph capture requires: compiles and Triton JIT happen here, untimed
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            reset_grads()
-            step()
-            forward_only()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    launched = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=params, return_mode="median")
-
-    reset_grads()  # grads are None at capture, so every replay writes fresh gradients and nothing accumulates
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    gpu = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    reset_grads()
-    del graph
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward_only()
-    gpu_forward = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    del graph
-    return gpu, gpu_forward, launched
+    gpu, launched = time_graph_and_launched(step, grads=[g, u], warm_up_also=[forward_only])
+    return gpu, cuda_graph_ms(forward_only), launched
 
 
 # ---------------------------------------------------------------------------------------------------------

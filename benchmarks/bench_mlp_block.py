@@ -22,8 +22,10 @@ import datetime
 import sys
 
 import torch
+from jobs import LORA, MODELS
 
-HIDDEN, INTERMEDIATE = 4096, 14336
+LLAMA3_8B = MODELS["llama3-8b"].fields
+HIDDEN, INTERMEDIATE = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"]
 
 
 class LlamaMLP(torch.nn.Module):
@@ -44,7 +46,7 @@ def build(lora: bool) -> torch.nn.Module:
         import peft
 
         targets = ["gate_proj", "up_proj", "down_proj"]
-        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+        config = peft.LoraConfig(**{**LORA, "target_modules": targets})
         block = peft.get_peft_model(block, config)
         for name, p in block.named_parameters():  # random B, so the LoRA path is not all zeros
             if "lora_B" in name:

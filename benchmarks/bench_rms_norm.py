@@ -41,6 +41,7 @@ from bench_common import (
     markdown_table,
     measure_copy_ceiling,
     rel_err,
+    time_graph_and_launched,
     timing_columns,
 )
 
@@ -155,38 +156,13 @@ def check(forward, weight_param, x, dy, reference) -> float:
 
 def time_fwd_bwd(forward, weight_param, x, dy) -> tuple[float, float]:
     """Median ms of one forward + backward: (GPU time, via a CUDA graph replay; launched from Python)."""
-    import triton.testing
-
     x = x.detach().clone().requires_grad_()
     dy = dy.clone()
-    params = [x, weight_param]
 
     def step():
         forward(x).backward(dy)
 
-    def reset_grads():
-        for p in params:
-            p.grad = None
-
-    # warm-up on a side stream, as CUDA-graph capture requires: compiles and Triton JIT happen here, untimed
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            reset_grads()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    launched = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=params, return_mode="median")
-
-    reset_grads()  # grads are None at capture, so every replay writes fresh gradients and nothing accumulates
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    gpu = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    reset_grads()
-    del graph
-    return gpu, launched
+    return time_graph_and_launched(step, grads=[x, weight_param])
 
 
 # ---------------------------------------------------------------------------------------------------------

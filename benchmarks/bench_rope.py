@@ -47,12 +47,15 @@ from bench_common import (
     markdown_table,
     measure_copy_ceiling,
     rel_err,
+    time_graph_and_launched,
     timing_columns,
 )
+from jobs import MODELS
 
 SHAPES = ((1, 8192), (4, 2048), (2, 8192), (4, 4096), (4, 8192))  # (B, T): B·T = 8192, 8192, 16384, 16384, 32768
-N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
-ROPE_THETA = 500000.0  # Llama 3
+LLAMA3_8B = MODELS["llama3-8b"].fields
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM = (LLAMA3_8B[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+ROPE_THETA = LLAMA3_8B["rope_parameters"]["rope_theta"]
 DTYPE = torch.bfloat16
 NOMINAL_COPY_TBPS = 4.3  # H200 device-to-device copy, bytes read + written
 
@@ -175,8 +178,6 @@ def check(forward, q_proj, k_proj, cos, sin, dq_out, dk_out, reference) -> float
 
 def time_fwd_bwd(forward, q_proj, k_proj, cos, sin, dq_out, dk_out) -> tuple[float, float]:
     """Median ms of one forward + backward: (GPU time, via a CUDA graph replay; launched from Python)."""
-    import triton.testing
-
     q_leaf, k_leaf = leaf_projections(q_proj, k_proj)
     dq_out, dk_out = dq_out.clone(), dk_out.clone()
 
@@ -186,22 +187,7 @@ def time_fwd_bwd(forward, q_proj, k_proj, cos, sin, dq_out, dk_out) -> tuple[flo
         q, k = hf_views(q_leaf, k_leaf)
         fwd_bwd(forward, q, k, cos, sin, dq_out, dk_out)
 
-    # warm-up on a side stream, as CUDA-graph capture requires: compiles and Triton JIT happen here, untimed
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    launched = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    gpu = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    del graph
-    return gpu, launched
+    return time_graph_and_launched(step)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jobs import LORA, MODELS, PRESETS, model_config
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,141 +93,8 @@ DEFAULT_RUNS = {
     "cuda": ["eager-fp32", "eager-bf16", "inductor-bf16", "fuser-bf16"],
     "cpu": ["eager-fp32", "fuser-fp32"],
 }
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 FP32_RTOL = 1e-4
 DROP_RTOL = 0.1  # "fuser's drop within 10 % of fp32's wherever Inductor's is"
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """A model (a transformers config class and its fields) and the recipe it runs by default."""
-
-    config: str
-    fields: dict[str, Any]
-    layers: int
-    batch: int
-    seq: int
-    steps: int
-    lr: float
-    about: str
-
-
-PRESETS: dict[str, Preset] = {
-    # meta-llama/Meta-Llama-3-8B's widths; issue 16 measured 4 layers, 2×1024 tokens, 12 steps, lr 1e-5
-    "llama3-8b": Preset(
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-            tie_word_embeddings=False,
-        ),
-        4,
-        2,
-        1024,
-        12,
-        1e-5,
-        "Llama-3-8B widths",
-    ),
-    # Qwen/Qwen3-8B's widths
-    "qwen3-8b": Preset(
-        "Qwen3Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=False,
-        ),
-        4,
-        2,
-        1024,
-        12,
-        1e-5,
-        "Qwen3-8B widths",
-    ),
-    # meta-llama/Llama-3.2-1B (all 16 layers by default; tied embeddings, llama3 rope scaling)
-    "llama32-1b": Preset(
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            tie_word_embeddings=True,
-        ),
-        16,
-        2,
-        1024,
-        12,
-        1e-5,
-        "Llama-3.2-1B",
-    ),
-    # issue 16's smallest clear CPU configuration (fp32 drop ≈ 0.0025; eager/fuser bf16 10-19 % of it)
-    "cpu-small": Preset(
-        "LlamaConfig",
-        dict(
-            vocab_size=2048,
-            hidden_size=512,
-            intermediate_size=1792,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        ),
-        1,
-        2,
-        128,
-        8,
-        3e-6,
-        "issue 16's small CPU Llama",
-    ),
-    # the smallest one found that still separates eager from Inductor at 3 seeds (tests/test_convergence_cpu.py):
-    # eager bf16 ~0.15-0.2 of fp32's drop, Inductor ~1.2 (benchmarks/results/convergence_bf16_cpu_2026-12-01.md)
-    "cpu-tiny": Preset(
-        "LlamaConfig",
-        dict(
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=896,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=64,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        ),
-        1,
-        2,
-        64,
-        8,
-        3e-6,
-        "a smaller CPU Llama that shows issue 16",
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,17 +237,13 @@ def build_model(arch: str, hidden: int, layers: int, seq: int, seed: int) -> tor
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def build_preset(name: str, layers: int | None, seed: int, **overrides: Any) -> torch.nn.Module:
+def build_preset(name: str, layers: int | None, seed: int) -> torch.nn.Module:
     """A random-weight fp32 causal LM of preset ``name`` with ``layers`` layers (default: the preset's)."""
     import transformers
 
     preset = PRESETS[name]
-    fields = {**preset.fields, **overrides}
-    config = getattr(transformers, preset.config)(
-        **fields,
-        num_hidden_layers=layers or preset.layers,
-        use_cache=False,
-        attn_implementation="sdpa",
+    config = model_config(
+        preset.model, num_hidden_layers=layers or preset.layers, use_cache=False, attn_implementation="sdpa"
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -751,9 +615,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     round_init = any(s.dtype != torch.float32 for s in specs)
     lrs = f"AdamW(fused) lr {args.lr_full:g} (full) / {args.lr_lora:g} (LoRA r16, alpha 32, all linear, B = 0)"
     if args.preset:
-        preset = PRESETS[args.preset]
-        model_about = f"preset {args.preset} ({preset.about}; {preset.config} {preset.fields}), {args.layers} layers"
-        vocab = preset.fields["vocab_size"]
+        preset, model = PRESETS[args.preset], MODELS[PRESETS[args.preset].model]
+        model_about = f"preset {args.preset} ({preset.about}; {model.config} {model.fields}), {args.layers} layers"
+        vocab = model.fields["vocab_size"]
     else:
         model_about = f"{args.layers} layers, hidden {args.hidden}, byte-level vocab {VOCAB}"
         vocab = VOCAB

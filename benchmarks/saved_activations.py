@@ -19,6 +19,7 @@ from collections import Counter
 
 import peft
 import torch
+from jobs import JOBS, LORA, MODELS
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -74,19 +75,21 @@ def saved_for_backward(
 GQA = "fuser with FUSER_CAUSAL_GQA=1"  # causal_attention's grouped-query fold (off by default)
 MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser", GQA)
 FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser", GQA)
-# job → (title, layers of the real model, config fields)
-JOBS = {
-    "llama3-8b-lora": (
-        "Llama-3-8B layer, LoRA r16 on all linear layers",
-        32,
-        dict(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
-    ),
-    "llama32-1b-full": (
-        "Llama-3.2-1B layer, full fine-tune",
-        16,
-        dict(vocab_size=4096, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
-    ),
+# a job of jobs.JOBS → its title; the layers are its checkpoint's widths, the vocabulary a small one
+TITLES = {
+    "llama3-8b-lora": "Llama-3-8B layer, LoRA r16 on all linear layers",
+    "llama32-1b-full": "Llama-3.2-1B layer, full fine-tune",
 }
+WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+VOCAB = 4096
+
+
+def layer_config(job: str, layers: int) -> LlamaConfig:
+    """``layers`` decoder layers of ``job``'s model: its widths, a small vocabulary, LlamaConfig's defaults else."""
+    widths = {name: MODELS[JOBS[job].model].fields[name] for name in WIDTHS}
+    return LlamaConfig(
+        vocab_size=VOCAB, **widths, num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False
+    )
 
 
 @functools.cache
@@ -94,14 +97,11 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
     """(producing op, dtype, shape) of each tensor the forward saves, for ``layers`` layers of ``job`` in ``mode``
     (cached: ``--by-op`` reads the same runs as the table)."""
     torch.manual_seed(0)
-    config = LlamaConfig(**JOBS[job][2], num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    if job == "llama3-8b-lora":
-        lora = peft.LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0,
-                               target_modules="all-linear")  # fmt: skip
-        model = peft.get_peft_model(model, lora)
+    model = LlamaForCausalLM(layer_config(job, layers)).to(torch.bfloat16)
+    if JOBS[job].method == "lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
     model.train()
-    ids = torch.randint(0, 4096, (BATCH, SEQ))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
     upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
     gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = mode != FULL_MODES[1]
@@ -139,11 +139,11 @@ def saved_by_op(mode: str, job: str) -> list[tuple[str, str, tuple, int, float]]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--job", default="llama3-8b-lora", choices=sorted(JOBS))
+    parser.add_argument("--job", default="llama3-8b-lora", choices=sorted(TITLES))
     parser.add_argument("--out")
     parser.add_argument("--by-op", action="store_true", help="also list what one layer saves under fuser, by op")
     args = parser.parse_args()
-    title, n_layers, _ = JOBS[args.job]
+    title, n_layers = TITLES[args.job], MODELS[JOBS[args.job].model].layers
     adapters = "bf16 base, fp32 adapters" if args.job == "llama3-8b-lora" else "bf16 weights"
     lines = [
         f"# Saved activations per layer and token: {title} (CPU, partitioner only)",

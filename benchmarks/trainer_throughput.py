@@ -22,18 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from jobs import LORA, model_config
 
 MODES = ("none", "torch_compile", "fuser")
-LLAMA3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-)
+# Llama-3-8B, but with LlamaConfig's default rms_norm_eps (1e-6, not the checkpoint's 1e-5) and use_cache (True), as
+# results/trainer_llama3-8b_lora_h200_2026-12-01.md was measured
+FIELDS = dict(rms_norm_eps=1e-6, attn_implementation="sdpa")
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -66,12 +60,11 @@ def run_mode(mode: str, layers: int, steps: int, batch: int, seq: int, warmup: i
             torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
 
-    config = transformers.LlamaConfig(**LLAMA3_8B, num_hidden_layers=layers, attn_implementation="sdpa")
+    config = model_config("llama3-8b", num_hidden_layers=layers, **FIELDS)
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU: seconds instead of a minute on the host
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
-    model = peft.get_peft_model(model, lora)
+    model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
     callbacks = [StepTimes()]
     if mode == "fuser":
         import fuser

@@ -20,29 +20,13 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench_cudagraph
+from bench_common import bf16_buffers, buffers_beyond_l2, cycled_graph_ms
 
 from fuser.kernels import gated_activation as K
 
 SHAPES = [(8192, 14336), (16384, 28672), (8192, 16384)]
-L2_BYTES = 60 << 20
 TILES = [(1, 1024, 4), (1, 1024, 8), (2, 1024, 8), (4, 1024, 8), (8, 1024, 16), (1, 2048, 8), (2, 2048, 16),
          (1, 4096, 16), (4, 512, 4), (8, 512, 8), (2, 512, 4)]  # fmt: skip
-
-
-def _buffers(rows, cols, count):
-    return [torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-
-
-def time_cycled(launch, count):
-    state = itertools.count()
-
-    def fn():
-        launch(next(state) % count)
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 def inductor_passes(activation):
@@ -70,9 +54,8 @@ def inductor_passes(activation):
 
 def tune_shape(activation, rows, cols):
     nbytes = rows * cols * 2
-    count = max(2, -(-3 * L2_BYTES // nbytes))
-    gs, us, douts = _buffers(rows, cols, count), _buffers(rows, cols, count), _buffers(rows, cols, count)
-    outs, dgs, dus = _buffers(rows, cols, count), _buffers(rows, cols, count), _buffers(rows, cols, count)
+    count = buffers_beyond_l2(nbytes)
+    gs, us, douts, outs, dgs, dus = (bf16_buffers(rows, cols, count) for _ in range(6))
     codes = [K._ACTIVATION_CODE[activation]]
     res = {"fwd": [], "bwd": []}
     for code, (bm, bn, warps) in itertools.product(codes, TILES):
@@ -92,11 +75,11 @@ def tune_shape(activation, rows, cols):
                 WRITE_DGATE_LORA=False, WRITE_DUP_LORA=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             )  # fmt: skip
 
-        res["fwd"].append(((code, bm, bn, warps), time_cycled(fwd, count)))
-        res["bwd"].append(((code, bm, bn, warps), time_cycled(bwd, count)))
+        res["fwd"].append(((code, bm, bn, warps), cycled_graph_ms(fwd, count, rep=20)))
+        res["bwd"].append(((code, bm, bn, warps), cycled_graph_ms(bwd, count, rep=20)))
     ind_fwd, ind_bwd = inductor_passes(activation)
-    res["inductor_fwd"] = time_cycled(lambda i: ind_fwd(gs[i], us[i]), count)
-    res["inductor_bwd"] = time_cycled(lambda i: ind_bwd(douts[i], gs[i], us[i]), count)
+    res["inductor_fwd"] = cycled_graph_ms(lambda i: ind_fwd(gs[i], us[i]), count, rep=20)
+    res["inductor_bwd"] = cycled_graph_ms(lambda i: ind_bwd(douts[i], gs[i], us[i]), count, rep=20)
     return res
 
 

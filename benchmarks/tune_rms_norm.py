@@ -15,36 +15,20 @@ import itertools
 
 import torch
 import triton
-from triton.testing import do_bench_cudagraph
+from bench_common import bf16_buffers, buffers_beyond_l2, cycled_graph_ms
 
 from fuser.kernels import rms_norm as K
 
 SHAPES = [(2048, 8192), (2048, 32768), (4096, 16384), (8192, 8192), (8192, 32768)]
 EPS = 1e-6
-L2_BYTES = 60 << 20
-
-
-def _buffers(rows, hidden, count):
-    return [torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-
-
-def time_cycled(launch, count):
-    state = itertools.count()
-
-    def fn():
-        launch(next(state) % count)
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(fn, rep=15, return_mode="median")
 
 
 def tune_shape(hidden, rows, sm_count):
     block_n = triton.next_power_of_2(hidden)
     nbytes = rows * hidden * 2
-    count = max(2, -(-3 * L2_BYTES // nbytes))  # the buffers of one cycle together exceed the L2 three times
-    xs, dys = _buffers(rows, hidden, count), _buffers(rows, hidden, count)
-    ys, dxs = _buffers(rows, hidden, count), _buffers(rows, hidden, count)
+    count = buffers_beyond_l2(nbytes)
+    xs, dys = bf16_buffers(rows, hidden, count), bf16_buffers(rows, hidden, count)
+    ys, dxs = bf16_buffers(rows, hidden, count), bf16_buffers(rows, hidden, count)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
     rstd = torch.empty(rows, device="cuda", dtype=torch.float32)
     results = {"fwd": [], "bwd": []}
@@ -59,7 +43,7 @@ def tune_shape(hidden, rows, sm_count):
                 HAS_WEIGHT=True, NORM_CAST=2, STORE_RSTD=store, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )  # fmt: skip
 
-        results["fwd"].append(((block_m, warps, store), time_cycled(launch, count)))
+        results["fwd"].append(((block_m, warps, store), cycled_graph_ms(launch, count, rep=15)))
 
     K.rms_norm_fwd_kernel[(rows,)](
         xs[0], w, ys[0], rstd, hidden, hidden, rows, hidden, EPS, 0.0,
@@ -80,7 +64,7 @@ def tune_shape(hidden, rows, sm_count):
             )  # fmt: skip
             partial.sum(0).to(torch.bfloat16)
 
-        results["bwd"].append(((block_m, warps, per_sm, load), time_cycled(launch, count)))
+        results["bwd"].append(((block_m, warps, per_sm, load), cycled_graph_ms(launch, count, rep=15)))
     return results
 
 

@@ -31,10 +31,11 @@ def main() -> None:
     full = []
     for batch, seq in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(seq)
-        q_proj = torch.randn(batch, seq, 32 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k_proj = torch.randn(batch, seq, 8 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        dq = torch.randn(batch, 32, seq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        dk = torch.randn(batch, 8, seq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q_heads, kv_heads, head_dim = B.N_Q_HEADS, B.N_KV_HEADS, B.HEAD_DIM
+        q_proj = torch.randn(batch, seq, q_heads * head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k_proj = torch.randn(batch, seq, kv_heads * head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dq = torch.randn(batch, q_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dk = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         cos, sin = B.llama_cos_sin(seq, torch.bfloat16)
         inductor = B.time_fwd_bwd(B.make_inductor(), q_proj, k_proj, cos, sin, dq, dk)[0]
         K._launch_config = default_config

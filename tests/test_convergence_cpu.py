@@ -3,13 +3,12 @@ bf16 LoRA through fuser learns as much per step as fp32 does (issue 16)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.models.tiny import load_benchmark
 
 STEPS = 20
 RTOL = 1e-4
@@ -25,12 +24,7 @@ def _one_thread():
 
 
 def _load_convergence():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence.py"
-    spec = importlib.util.spec_from_file_location("convergence", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("convergence")
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -77,7 +71,8 @@ def bf16_lora_case():
     torch.set_num_threads(1)
     try:
         base = convergence.round_parameters(convergence.build_preset(BF16_PRESET, None, BF16_SEED), torch.bfloat16)
-        ids = convergence.fixed_batch(preset.fields["vocab_size"], preset.batch, preset.seq, BF16_SEED)
+        vocab = convergence.MODELS[preset.model].fields["vocab_size"]
+        ids = convergence.fixed_batch(vocab, preset.batch, preset.seq, BF16_SEED)
         data = [ids] * preset.steps
         cpu = torch.device("cpu")
         runs = {

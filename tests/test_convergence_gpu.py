@@ -18,7 +18,8 @@ def test_bf16_lora_learns_like_fp32_on_cuda():
     convergence = _load_convergence()
     preset = convergence.PRESETS[BF16_PRESET]
     base = convergence.round_parameters(convergence.build_preset(BF16_PRESET, None, BF16_SEED), torch.bfloat16)
-    ids = convergence.fixed_batch(preset.fields["vocab_size"], preset.batch, preset.seq, BF16_SEED)
+    vocab = convergence.MODELS[preset.model].fields["vocab_size"]
+    ids = convergence.fixed_batch(vocab, preset.batch, preset.seq, BF16_SEED)
     data, cuda = [ids] * preset.steps, torch.device("cuda")
     runs = {
         run: convergence.train(base, "lora", run, data, cuda, lr=preset.lr, seed=BF16_SEED)

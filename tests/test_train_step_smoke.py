@@ -1,25 +1,36 @@
-"""Smoke test of benchmarks/train_step.py on a CPU (tiny configs), and of its reports on made-up numbers."""
+"""Smoke test of benchmarks/train_step.py on a CPU (tiny configs), and of its reports, profile and memory replay
+on made-up numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.models.tiny import load_benchmark
+
 
 @pytest.fixture(scope="module")
 def train_step():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
-    spec = importlib.util.spec_from_file_location("train_step", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_step")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_benchmark("train_step_report")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_benchmark("train_step_profile")
+
+
+@pytest.fixture(scope="module")
+def memory():
+    return load_benchmark("train_step_memory")
 
 
 @pytest.fixture(autouse=True)
@@ -63,14 +74,14 @@ def _ok(tps, peak, warm, **extra):
                 last_loss=11.9, batch=4, seq=2048, steps=10, warmup=3, layers=32, **extra)  # fmt: skip
 
 
-def test_table_shows_oom_crash_and_the_ratios_against_the_targets(train_step):
+def test_table_shows_oom_crash_and_the_ratios_against_the_targets(report):
     results = {
         "eager": {"status": "OOM", "error": "CUDA out of memory", "peak_gib": 139.0},
         "compile": _ok(11764.0, 75.6, 101.0),
         "liger": {"status": "crashed", "error": "RuntimeError: CUDA error: an illegal memory access"},
         "fuser": _ok(14000.0, 60.0, 105.0, fuser_counts={"rms_norm": 65, "swiglu": 32}, graphs=1, graph_breaks=0),
     }
-    text = train_step.results_table("llama3-8b-lora", results, "python benchmarks/train_step.py ...")
+    text = report.results_table("llama3-8b-lora", results, "python benchmarks/train_step.py ...")
     assert "| eager | OOM |" in text
     assert "crashed (RuntimeError: CUDA error: an illegal memory access)" in text
     # Liger crashed: the ratios are against Inductor alone, and say so
@@ -82,10 +93,10 @@ def test_table_shows_oom_crash_and_the_ratios_against_the_targets(train_step):
         assert f"{name} " in text
 
 
-def test_profile_groups_kernels_by_family(train_step):
-    fused = train_step.fuser_kernel_names()
+def test_profile_groups_kernels_by_family(profile):
+    fused = profile.fuser_kernel_names()
     assert "rms_norm_fwd_kernel" in fused and not any(n.startswith("_") for n in fused)
-    family = lambda name: train_step.kernel_family(name, fused)  # noqa: E731
+    family = lambda name: profile.kernel_family(name, fused)  # noqa: E731
     assert family("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT") == "matmul"
     assert family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
     # fp32 without TF32 (peft's fp32 LoRA adapters): cuBLAS's CUDA-core kernels, a family of their own
@@ -113,15 +124,15 @@ def test_profile_groups_kernels_by_family(train_step):
             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
         ]
     }
-    times = train_step.kernel_times_from_trace(trace)
+    times = profile.kernel_times_from_trace(trace)
     assert times == {"nvjet_tst_a": [600.0, 2], "rms_norm_fwd_kernel": [100.0, 1]}
-    families, top = train_step.family_table(times, n_steps=2, wall_ms=0.5)
+    families, top = profile.family_table(times, n_steps=2, wall_ms=0.5)
     assert "| matmul | 0.30 | 85.7% |" in families
     assert "| fused ops (fuser) | 0.05 | 14.3% |" in families
     assert "`nvjet_tst_a` | matmul | 1 | 0.300 | 85.7% |" in top
 
 
-def test_live_at_peak_replays_the_allocator_trace(train_step):
+def test_live_at_peak_replays_the_allocator_trace(memory):
     """--memory-at-peak's replay on a made-up trace: the peak and exactly the blocks live then; a block freed
     (first free event) no longer counts, its second free event changes nothing, an unknown free is ignored."""
 
@@ -138,7 +149,7 @@ def test_live_at_peak_replays_the_allocator_trace(train_step):
         ev("free_requested", 2, 50),
         ev("alloc", 4, 40),  # 120 + 40 = 160 live: below the peak
     ]
-    peak, live = train_step.live_at_peak(events)
+    peak, live = memory.live_at_peak(events)
     assert peak == 170
     assert sorted(e["addr"] for e in live) == [2, 3]
-    assert train_step.live_at_peak([]) == (0, [])
+    assert memory.live_at_peak([]) == (0, [])

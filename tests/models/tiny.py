@@ -225,16 +225,22 @@ def lm_batch(seq: int = 16, bsz: int = 2, seed: int = 1, num_items_in_batch: boo
     return data
 
 
-def load_saved_activations():
-    """``benchmarks/saved_activations.py`` as a module (what the forward saves under Inductor's partitioner)."""
-    import importlib.util
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module; benchmarks/ goes on ``sys.path``, as for a script run from there, so
+    the script finds the modules it imports beside it (``jobs``, ``bench_common``, ...)."""
+    import importlib
+    import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "saved_activations.py"
-    spec = importlib.util.spec_from_file_location("saved_activations", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    return importlib.import_module(name)
+
+
+def load_saved_activations():
+    """``benchmarks/saved_activations.py`` as a module (what the forward saves under Inductor's partitioner)."""
+    return load_benchmark("saved_activations")
 
 
 def saved_wide_tensors(model: torch.nn.Module, width: int) -> list[tuple[int, ...]]:

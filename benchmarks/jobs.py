@@ -1,0 +1,200 @@
+"""The models and jobs the benchmarks run, declared once: every script reads its shapes and recipes from here.
+
+A model is a transformers config class and its fields (the public checkpoint's, or a CPU-sized Llama's), with
+random weights: nothing is downloaded. ``fields`` leave out the depth; ``layers`` is the checkpoint's own.
+
+- ``JOBS``: the training-step jobs of ``train_step.py`` (a model, a method, a batch), ``TINY_*`` its ``--tiny``;
+- ``PRESETS``: the convergence recipes of ``convergence.py --preset`` (a model cut to a few layers, a batch,
+  steps and a learning rate);
+- ``LORA``: the one LoRA recipe (peft, r 16, alpha 32, every linear layer).
+
+The recorded results in ``benchmarks/results/`` were measured with these values: change one and the record no
+longer says how it was obtained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    config: str  # transformers config class
+    fields: dict[str, Any]  # its fields, all but num_hidden_layers
+    layers: int  # the checkpoint's decoder layers
+
+
+MODELS: dict[str, Model] = {
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": Model(
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=False,
+        ),
+        32,
+    ),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": Model(
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+        ),
+        36,
+    ),
+    # meta-llama/Llama-3.2-1B: tied embeddings, llama3 rope scaling
+    "llama32-1b": Model(
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            tie_word_embeddings=True,
+        ),
+        16,
+    ),
+    # issue 16's smallest clear CPU configuration (fp32 drop ≈ 0.0025; eager/fuser bf16 10-19 % of it)
+    "cpu-small": Model(
+        "LlamaConfig",
+        dict(
+            vocab_size=2048,
+            hidden_size=512,
+            intermediate_size=1792,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ),
+        1,
+    ),
+    # the smallest one found that still separates eager from Inductor at 3 seeds (tests/test_convergence_cpu.py):
+    # eager bf16 ~0.15-0.2 of fp32's drop, Inductor ~1.2 (benchmarks/results/convergence_bf16_cpu_2026-12-01.md)
+    "cpu-tiny": Model(
+        "LlamaConfig",
+        dict(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=896,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ),
+        1,
+    ),
+}
+
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+
+
+def model_config(name: str, **fields: Any):
+    """The transformers config of ``MODELS[name]`` at the checkpoint's depth; ``fields`` override any of it."""
+    import transformers
+
+    model = MODELS[name]
+    return getattr(transformers, model.config)(**{**model.fields, "num_hidden_layers": model.layers, **fields})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train_step.py: whole training steps of real fine-tuning jobs
+# ---------------------------------------------------------------------------------------------------------
+
+MODES = ("eager", "compile", "liger", "fuser")
+MODE_TITLES = {"eager": "eager", "compile": "Inductor (torch.compile)", "liger": "Liger-Kernel", "fuser": "fuser"}
+TRAIN_STEP_LR = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    model: str  # key of MODELS
+    method: str  # "lora", "qlora" (NF4 base + LoRA) or "full"
+    batch: int
+    seq: int
+    checkpointing: bool = False
+    about: str = ""
+
+
+JOBS = {
+    "llama3-8b-lora": Job("llama3-8b", "lora", 4, 2048, about="Llama-3-8B, LoRA r16 on all linear layers"),
+    "qwen3-8b-lora": Job("qwen3-8b", "lora", 4, 2048, about="Qwen3-8B, LoRA r16 on all linear layers"),
+    "llama32-1b-full": Job("llama32-1b", "full", 4, 2048, about="Llama-3.2-1B, full fine-tune"),
+    "llama3-8b-qlora": Job("llama3-8b", "qlora", 4, 2048, about="Llama-3-8B, QLoRA (bitsandbytes NF4 base) r16"),
+    "llama3-8b-lora-gc-32k": Job(
+        "llama3-8b", "lora", 1, 32768, checkpointing=True, about="Llama-3-8B, LoRA r16, gradient checkpointing"
+    ),
+    "llama3-8b-lora-16k": Job("llama3-8b", "lora", 1, 16384, about="Llama-3-8B, LoRA r16, no checkpointing"),
+}
+
+# --tiny: the job's config at toy size (rope, tying and the config class stay the job's own)
+TINY_FIELDS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+)
+TINY_BATCH, TINY_SEQ = 2, 64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# convergence.py --preset: a model trained for a few steps against its fp32 reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model (a key of MODELS) and the recipe it runs by default."""
+
+    model: str
+    layers: int
+    batch: int
+    seq: int
+    steps: int
+    lr: float
+    about: str
+
+
+PRESETS: dict[str, Preset] = {
+    # issue 16 measured Llama-3-8B's widths at 4 layers, 2×1024 tokens, 12 steps, lr 1e-5
+    "llama3-8b": Preset("llama3-8b", 4, 2, 1024, 12, 1e-5, "Llama-3-8B widths"),
+    "qwen3-8b": Preset("qwen3-8b", 4, 2, 1024, 12, 1e-5, "Qwen3-8B widths"),
+    "llama32-1b": Preset("llama32-1b", 16, 2, 1024, 12, 1e-5, "Llama-3.2-1B"),  # all 16 layers
+    "cpu-small": Preset("cpu-small", 1, 2, 128, 8, 3e-6, "issue 16's small CPU Llama"),
+    "cpu-tiny": Preset("cpu-tiny", 1, 2, 64, 8, 3e-6, "a smaller CPU Llama that shows issue 16"),
+}

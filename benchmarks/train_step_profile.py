@@ -1,0 +1,163 @@
+"""``--profile``: kernel time of a few training steps under ``torch.profiler``, grouped by op family (matmul,
+attention, fuser's and Liger-Kernel's fused ops, Inductor's elementwise kernels, the optimizer, ...).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import importlib.util
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import markdown_table
+from jobs import MODE_TITLES
+from train_step_report import report_header
+
+
+def fuser_kernel_names() -> list[str]:
+    """The launched ``@triton.jit`` kernels of fuser/kernels/*.py (helpers, named ``_…``, are inlined)."""
+    spec = importlib.util.find_spec("fuser")
+    if spec is None or spec.origin is None:
+        return []
+    names = []
+    for path in sorted((Path(spec.origin).parent / "kernels").glob("*.py")):
+        names += re.findall(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def\s+(\w+)", path.read_text())
+    return sorted(n for n in names if not n.startswith("_"))
+
+
+LIGER_KERNELS = re.compile(
+    r"^(_rms_norm_|_block_rms_norm|_swiglu_|_geglu_|_triton_rope|liger_|element_mul_kernel|_cross_entropy)"
+)
+
+
+FAMILY_RULES: list[tuple[str, re.Pattern]] = [  # first match wins
+    ("matmul", re.compile(r"^triton_tem_")),  # Inductor's matmul templates (max-autotune)
+    ("elementwise: Inductor (triton_)", re.compile(r"^triton_")),
+    # before matmul: memory-efficient attention's kernels are CUTLASS ones (fmha_cutlassF_…)
+    ("attention", re.compile(r"flash|fmha|sdpa|scaled_dot_product|efficient_attention|attention|attn", re.I)),
+    ("bitsandbytes NF4", re.compile(r"kDequantize|kQuantize|kgemm_4bit|dequantize_4bit|quantize_4bit", re.I)),
+    # fp32 matmuls without TF32 run on the CUDA cores (cuBLAS's sm80 "ffma" kernels): peft's fp32 LoRA adapters
+    ("matmul fp32 (CUDA cores)", re.compile(r"f32f32_f32f32.*ffma|ffma.*f32f32_f32f32|sgemm")),
+    # cuBLAS/CUTLASS (nvjet: cuBLAS's Hopper kernels); aten's on a CPU
+    ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|nvjet|xmma|splitKreduce|^aten::(mm|addmm|bmm)$")),
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
+]
+
+
+FAMILIES = (
+    "matmul",
+    "matmul fp32 (CUDA cores)",
+    "attention",
+    "fused ops (fuser)",
+    "fused ops (Liger)",
+    "elementwise: Inductor (triton_)",
+    "elementwise: other",
+    "optimizer",
+    "bitsandbytes NF4",
+)
+
+
+def kernel_family(name: str, fuser_kernels: list[str]) -> str:
+    """The op family of a GPU kernel (or, on a CPU, of an aten op) by its name."""
+    short = name.removeprefix("void ").split("<")[0].split("(")[0].rsplit("::", 1)[-1]
+    if name.startswith("fuser::") or any(short.startswith(k) for k in fuser_kernels):
+        return "fused ops (fuser)"
+    if LIGER_KERNELS.match(short):
+        return "fused ops (Liger)"
+    for family, rule in FAMILY_RULES:
+        if rule.search(name):
+            return family
+    return "elementwise: other"
+
+
+def kernel_times_from_trace(trace: dict) -> dict[str, list[float]]:
+    """Kernel name → [total µs, launches] from a Chrome trace of the profiler (GPU kernels, copies, memsets)."""
+    times: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            entry = times[event["name"]]
+            entry[0] += float(event.get("dur", 0.0))
+            entry[1] += 1
+    return dict(times)
+
+
+def family_table(times: dict[str, list[float]], n_steps: int, wall_ms: float | None) -> tuple[str, str]:
+    """Markdown: ms per step and share of kernel time by family; and the top-15 kernels."""
+    fuser_kernels = fuser_kernel_names()
+    total_us = sum(t for t, _ in times.values()) or 1.0
+    by_family = collections.Counter()
+    for name, (t, _) in times.items():
+        by_family[kernel_family(name, fuser_kernels)] += t
+    rows = [
+        [family, f"{by_family[family] / 1e3 / n_steps:.2f}", f"{by_family[family] / total_us:.1%}"]
+        for family in FAMILIES
+        if by_family[family] > 0
+    ]
+    rows.append(["**all kernels**", f"**{total_us / 1e3 / n_steps:.2f}**", "100%"])
+    if wall_ms is not None:
+        idle = wall_ms - total_us / 1e3 / n_steps
+        rows.append(["wall time of the step (idle GPU / host overhead: " + f"{idle:.2f} ms)", f"{wall_ms:.2f}", ""])
+    families = markdown_table(["op family", "ms / step", "% of kernel time"], rows, label_columns=1)
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:15]
+    top_rows = [
+        [
+            "`" + name.replace("|", "\\|")[:110] + "`",
+            kernel_family(name, fuser_kernels),
+            f"{calls / n_steps:g}",
+            f"{t / 1e3 / n_steps:.3f}",
+            f"{t / total_us:.1%}",
+        ]
+        for name, (t, calls) in top
+    ]
+    return families, markdown_table(["kernel", "family", "calls / step", "ms / step", "%"], top_rows, label_columns=1)
+
+
+def profile_steps(result, args, batches, train_step, sync, device: torch.device) -> dict[str, Any]:
+    """Run ``batches`` under torch.profiler; write ``profile_<job>_<mode>.md`` (and the trace) to --profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir = Path(args.profile)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    sync()
+    with profile(activities=[activity]) as prof:
+        start = time.perf_counter()
+        for ids in batches:
+            train_step(ids)
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - start) / len(batches)
+    stem = f"profile_{result['job']}_{result['mode']}"
+    if device.type == "cuda":
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            trace = json.loads(raw.read_text())
+            with gzip.open(out_dir / f"{stem}.trace.json.gz", "wt") as f:
+                json.dump(trace, f)
+        times = kernel_times_from_trace(trace)
+        if not times:  # no kernel events in the trace: take the profiler's own device-time table
+            print("train_step: the trace holds no kernel events; using key_averages()", file=sys.stderr)
+            averages = prof.key_averages()
+            times = {e.key: [e.self_device_time_total, e.count] for e in averages if e.self_device_time_total > 0}
+        what = "CUDA kernel time (torch.profiler, CUDA activity)"
+    else:  # no kernels on a CPU: self time of each op, so the code path runs in a smoke test
+        times = {e.key: [e.self_cpu_time_total, e.count] for e in prof.key_averages() if e.self_cpu_time_total > 0}
+        what = "CPU self time per op (torch.profiler, CPU activity; a smoke test of the code path only)"
+    families, top = family_table(times, len(batches), wall_ms)
+    header = report_header(f"Profile: {result['job']}, {MODE_TITLES[result['mode']]}", [result])
+    text = (
+        f"{header}\n{what} over {len(batches)} steps after {args.warmup} warm-up and {args.steps} timed steps; "
+        f"per step, batch {result['batch']}×{result['seq']}.\n\n"
+        f"{families}\n\nTop 15 kernels:\n\n{top}\n"
+    )
+    path = out_dir / f"{stem}.md"
+    path.write_text(text)
+    print(text)
+    return {"file": str(path), "wall_ms": wall_ms, "kernel_ms": sum(t for t, _ in times.values()) / 1e3 / len(batches)}
