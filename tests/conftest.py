@@ -28,6 +28,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def triton_on_cpu():
+    """Call it (``triton_on_cpu()``) to send the ops on CPU tensors through their Triton kernels on the interpreter
+    for the rest of the test (``fuser.kernels._triton.triton_on_cpu``); ``triton_on_cpu(False)``: the reference
+    path again."""
+    import contextlib
+
+    from fuser.kernels._triton import triton_on_cpu as scope
+
+    with contextlib.ExitStack() as stack:
+        yield lambda enabled=True: stack.enter_context(scope(enabled))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     """Each test starts from a clean Dynamo cache, so compile counts are the test's own, and from a global RNG

@@ -1,14 +1,17 @@
 """When the fused ops take their Triton path, the Triton import itself, the reference compute dtype, and the
 dtype check every public op makes of its tensor arguments.
 
-CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except
-when ``TRITON_INTERPRET=1`` and ``FUSER_CPU_TRITON=1`` are both set: then the Triton kernels run through
-Triton's interpreter, which is how CI exercises them without a GPU.
+CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
+``with triton_on_cpu():`` while ``TRITON_INTERPRET=1`` is set (Triton reads it when it is first imported): then
+the Triton kernels run through Triton's interpreter, which is how CI exercises them without a GPU.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -57,7 +60,24 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def interpreting() -> bool:
+    """Triton runs kernels through its interpreter (on CPU tensors), not compiled for a GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_TRITON_ON_CPU: ContextVar[bool] = ContextVar("fuser_triton_on_cpu", default=False)
+
+
+@contextmanager
+def triton_on_cpu(enabled: bool = True) -> Iterator[None]:
+    """Inside this block the ops on CPU tensors launch their Triton kernels through Triton's interpreter (when it
+    is on, ``TRITON_INTERPRET=1``) instead of taking their plain-torch reference path: for the calls made here,
+    and for the backward of a graph run here (CPU autograd runs on the calling thread). ``enabled=False``: the
+    reference path again, inside an enabling block."""
+    token = _TRITON_ON_CPU.set(enabled)
+    try:
+        yield
+    finally:
+        _TRITON_ON_CPU.reset(token)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -66,7 +86,7 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if t.device.type == "cuda":
         return not interpreting()
-    return t.device.type == "cpu" and interpreting() and os.environ.get("FUSER_CPU_TRITON") == "1"
+    return t.device.type == "cpu" and interpreting() and _TRITON_ON_CPU.get()
 
 
 def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:

@@ -9,11 +9,11 @@ import fuser.kernels.upcast_linear as U
 
 
 @pytest.fixture
-def triton_path(monkeypatch):
+def triton_path(monkeypatch, triton_on_cpu):
     """upcast_linear's Triton path (which lora_sum reuses) through the interpreter, on by default as on a GPU:
     every buffer its kernels write starts as NaN (an element a kernel skips cannot pass for a value), and the
     list returned records which of its launchers ran."""
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     monkeypatch.setattr(U, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
     launched = []

@@ -40,12 +40,9 @@ def eager_error(fn) -> BaseException | None:
 
 
 @pytest.fixture(params=["reference", pytest.param("triton", marks=interpreter)])
-def path(request, monkeypatch):
+def path(request, triton_on_cpu):
     """Both CPU paths of the fused ops."""
-    if request.param == "triton":
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
-    else:
-        monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    triton_on_cpu(request.param == "triton")
     return request.param
 
 

@@ -421,8 +421,8 @@ def check_in_place(dout, gate, up, activation, tol):
 @interpreter
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_triton_backward_in_place(activation, dtype, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_triton_backward_in_place(activation, dtype, gen, triton_on_cpu):
+    triton_on_cpu()
     gate, up, _, _, _, _, dout = make_inputs((3, 7, 300), dtype, gen)
     check_in_place(dout, gate, up, activation, TOLERANCE[dtype])
 
@@ -506,14 +506,14 @@ def test_triton_zero_rows(shape, lora, gen):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The custom ops and their autograd (CPU: the reference path; with FUSER_CPU_TRITON=1: the interpreter)
+# The custom ops and their autograd (CPU: the reference path; inside ``triton_on_cpu()``: the interpreter)
 # ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the plain-torch reference unless FUSER_CPU_TRITON=1; make sure it is not set."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+def reference_path(triton_on_cpu):
+    """CPU tensors take the plain-torch reference outside ``triton_on_cpu()``; make sure of it."""
+    triton_on_cpu(False)
 
 
 def _call_functional(gate, up, activation, gate_lora, up_lora, gate_scale, up_scale):
@@ -756,8 +756,8 @@ def test_opcheck_gated_activation_packed(gen, reference_path):
 
 
 @interpreter
-def test_opcheck_through_triton(gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_opcheck_through_triton(gen, triton_on_cpu):
+    triton_on_cpu()
     gate, up, gl, ul, gs, us, dout = make_inputs((5, 33), torch.float32, gen, "lora")
     torch.library.opcheck(
         torch.ops.fuser.gated_activation.default,
@@ -792,8 +792,8 @@ def count_launches(monkeypatch, names):
 @interpreter
 @pytest.mark.parametrize("lora", ["no_lora", "lora", "up_lora"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_op_through_triton_on_cpu(activation, lora, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_through_triton_on_cpu(activation, lora, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = count_launches(monkeypatch, ["gated_activation_forward_triton", "gated_activation_backward_triton"])
     check_op_autograd(_call_functional, activation, lora, (2, 9, 65), gen)
     # a silent fall-back to the reference path must not pass
@@ -801,8 +801,8 @@ def test_op_through_triton_on_cpu(activation, lora, gen, monkeypatch):
 
 
 @interpreter
-def test_op_through_triton_lora_grads_only(gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_through_triton_lora_grads_only(gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = count_launches(monkeypatch, ["gated_activation_forward_triton", "gated_activation_backward_triton"])
     check_op_autograd(_call_functional, "silu", "lora", (2, 9, 65), gen, requires_grad=(False, False, True, True))
     assert launched == ["gated_activation_forward_triton", "gated_activation_backward_triton"]
@@ -811,8 +811,8 @@ def test_op_through_triton_lora_grads_only(gen, monkeypatch):
 @interpreter
 @pytest.mark.parametrize("lora", [False, True], ids=["no_lora", "lora"])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_packed_op_through_triton_on_cpu(activation, lora, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_packed_op_through_triton_on_cpu(activation, lora, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     names = ["gated_activation_packed_forward_triton", "gated_activation_packed_backward_triton"]
     launched = count_launches(monkeypatch, names)
     check_packed_op_autograd(activation, lora, gen)
@@ -892,13 +892,10 @@ def test_gpu_results_are_deterministic(gen):
 
 
 @pytest.mark.parametrize("force_triton", [False, pytest.param(True, marks=interpreter)], ids=["reference", "triton"])
-def test_fp32_lora_terms_under_a_half_precision_base(force_triton, gen, monkeypatch):
+def test_fp32_lora_terms_under_a_half_precision_base(force_triton, gen, triton_on_cpu):
     """peft keeps adapters in fp32 under a bf16/fp16 base: the op takes the fp32 LoRA terms as they are, rounds
     the sums to the base dtype (as ``(base + lora * s).to(base dtype)`` does) and returns fp32 LoRA gradients."""
-    if force_triton:
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
-    else:
-        monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    triton_on_cpu(force_triton)
     shape = (6, 70)
     gate, up = (randn(shape, gen, torch.float16, scale=2.0).requires_grad_() for _ in range(2))
     gate_lora, up_lora = (randn(shape, gen, torch.float32, scale=0.5).requires_grad_() for _ in range(2))

@@ -24,7 +24,7 @@ hook torch offers), and every check first asserts there is no NaN (nor inf), so 
 never writes fails.
 
 CPU tests run each case on both paths: the plain-torch reference (default on CPU) and the Triton kernel through the
-interpreter (``FUSER_CPU_TRITON=1``; ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU). A spy counts
+interpreter (``triton_on_cpu()``; ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU). A spy counts
 the per-chunk calls, so a silent fall-back from Triton to the reference fails, and so do too few chunks. Only fp32
 and fp16 run on the interpreter (its bf16 arithmetic is wrong, DESIGN.md "Testing tiers"); bf16 and real shapes
 (vocab 32000 and 128256) are proven by the ``@pytest.mark.gpu`` tests against an fp32 (TF32 off) torch reference.
@@ -199,13 +199,10 @@ def run_fuser(h, w, b, labels, requires=(True, True, True), grad_scale=1.0, **kw
 
 
 @pytest.fixture(params=["reference", pytest.param("triton", marks=interpreter)])
-def path(request, monkeypatch):
+def path(request, monkeypatch, triton_on_cpu):
     """Both CPU paths; ``path.chunks`` records which per-chunk step ran, once per chunk."""
     chunks = []
-    if request.param == "triton":
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
-    else:
-        monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    triton_on_cpu(request.param == "triton")
     for name in ("_launch_chunk", "_reference_chunk"):
         real = getattr(lce_module, name)
 
@@ -427,10 +424,10 @@ def test_grad_output_inf_and_nan_pass_through(path, gen):
 
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_scale_inplace_kernel(dtype, gen, monkeypatch):
+def test_scale_inplace_kernel(dtype, gen, triton_on_cpu):
     """The eager backward's in-place ``g *= grad_output`` (Triton): one fp32 product rounded once, the masked tail
     left alone, and no write at all when the scale is 1."""
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     n = 2 * 1024 + 17  # two full blocks and a partial one
     storage = torch.randn(n + 40, generator=gen).to(dtype)
     g, beyond = storage[:n], storage[n:].clone()
@@ -496,11 +493,11 @@ def test_dweight_accumulator_choice(monkeypatch):
 @interpreter
 @pytest.mark.parametrize("n_rows, vocab, hidden", [(37, 50, 24), (1, 33, 17), (64, 16, 16), (100, 70, 40)], ids=str)
 @pytest.mark.parametrize("first", [True, False], ids=["first chunk", "later chunk"])
-def test_dweight_kernel_matches_fp64(n_rows, vocab, hidden, first, gen, monkeypatch):
+def test_dweight_kernel_matches_fp64(n_rows, vocab, hidden, first, gen, triton_on_cpu):
     """dw (=, first | +=) gᵀ·h for a chunk's gradient g [rows, V] (a slice of a wider buffer, as the op's) and its
     hidden rows h: fp32 sums rounded once to fp16, so each element is within an fp16 rounding (and fp32 sums'
     noise) of the fp64 result; a first chunk writes the NaN-filled accumulator without reading it."""
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     buffer = randn((n_rows + 5, vocab), gen, torch.float16)
     g = buffer[:n_rows]
     h = randn((n_rows + 3, hidden), gen, torch.float16)[2 : 2 + n_rows]
@@ -517,9 +514,9 @@ def test_dweight_kernel_matches_fp64(n_rows, vocab, hidden, first, gen, monkeypa
     assert ((dw.float() - cublas.float()).abs() <= cublas.float().abs() * 2 * U16 + 2.0**-24).all()
 
 
-def test_dweight_kernel_choice(monkeypatch):
+def test_dweight_kernel_choice(monkeypatch, triton_on_cpu):
     g16, w16, w32 = torch.zeros(4, 2, dtype=torch.float16), torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 2)
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     monkeypatch.delenv("FUSER_LCE_DW_KERNEL", raising=False)
     assert not lce_module.dweight_kernel_enabled(w16, g16.t())  # default: cuBLAS
     monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
@@ -532,10 +529,10 @@ def test_dweight_kernel_choice(monkeypatch):
 
 
 @interpreter
-def test_dweight_kernel_in_the_op(gen, monkeypatch):
+def test_dweight_kernel_in_the_op(gen, monkeypatch, triton_on_cpu):
     """Through the op (fp16, three chunks, interpreter): the kernel runs once per chunk, writing on the first and
     adding on the others, and the loss and gradients equal the cuBLAS path's to within an fp16 ulp per chunk."""
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     small_chunks(monkeypatch)
     n_rows = 130  # chunks of 48, 48, 34
     h, w, _ = make_inputs((n_rows,), 64, 257, torch.float16, gen)
@@ -654,12 +651,12 @@ def test_strided_labels(path, gen):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_fp16_gradients_keep_precision_under_loss_scaling(gen, monkeypatch):
+def test_fp16_gradients_keep_precision_under_loss_scaling(gen, triton_on_cpu):
     """fp16 training scales the loss (GradScaler, 2^16) to keep the fp16 gradients in the normal range; fuser's
     unscaled gradients must then be as accurate as eager's. The reference path only: it rounds exactly where the
     kernel does, and 1024 rows are too slow on the interpreter. Before fp16 gradients were formed unnormalised (1/n
     applied with grad_output in the backward), fuser measured 6.2e-4 here against eager's 2.5e-4."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+    triton_on_cpu(False)
     h, w, b = make_inputs((1024,), 16, 1024, torch.float16, gen, logit_std=0.5)
     labels = make_labels(1024, 1024, gen)
     scale = 2.0**16
@@ -770,8 +767,8 @@ def _opcheck_cases(gen):
 
 
 @pytest.mark.parametrize("case", ["all_grads_softcap", "frozen_weight_sum", "only_weight", "no_grad"])
-def test_opcheck(case, gen, monkeypatch):
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+def test_opcheck(case, gen, triton_on_cpu):
+    triton_on_cpu(False)
     # all of opcheck's default test_utils, test_aot_dispatch_dynamic included: the fake returns the real shapes
     torch.library.opcheck(torch.ops.fuser.linear_cross_entropy.default, _opcheck_cases(gen)[case])
 

@@ -487,8 +487,8 @@ def test_opcheck_rms_norm_backward(compute_dweight, gen, reference_path):
 
 @interpreter
 @pytest.mark.parametrize("model", list(MODELS))
-def test_op_through_triton_on_cpu(model, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_through_triton_on_cpu(model, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = []
 
     def counting(name, launcher):

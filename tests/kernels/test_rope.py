@@ -517,9 +517,9 @@ def test_triton_inf_and_nan_in_grads_pass_through(gen):
 
 
 @pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the plain-torch reference unless FUSER_CPU_TRITON=1; make sure it is not set."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+def reference_path(triton_on_cpu):
+    """CPU tensors take the plain-torch reference outside ``triton_on_cpu()``; make sure of it."""
+    triton_on_cpu(False)
 
 
 # (model, rotary_dim as a fraction of head_dim): each layout, full and partial
@@ -738,8 +738,8 @@ def test_op_mixed_dtypes_match_fp64_model(q_dtype, cos_dtype, out_dtype, model, 
 @interpreter
 @pytest.mark.parametrize("model", ["llama", "glm"])
 @pytest.mark.parametrize("q_dtype, cos_dtype, out_dtype", OP_MIXED_DTYPES)
-def test_op_mixed_dtypes_through_triton(q_dtype, cos_dtype, out_dtype, model, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_mixed_dtypes_through_triton(q_dtype, cos_dtype, out_dtype, model, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = count_launches(monkeypatch)
     check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen, shape=(1, 4, 2, 2, 32))
     assert launched == ["rope_forward_triton", "rope_backward_triton"]
@@ -853,8 +853,8 @@ def test_opcheck_rope_backward(gen, reference_path):
 
 
 @interpreter
-def test_opcheck_through_triton(gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_opcheck_through_triton(gen, triton_on_cpu):
+    triton_on_cpu()
     q, k = make_heads(1, 2, 2, 16, gen), make_heads(1, 1, 2, 16, gen)
     cos, sin = make_cos_sin(1, 2, 16, gen)
     torch.library.opcheck(torch.ops.fuser.rope.default, (q.requires_grad_(), k.requires_grad_(), cos, sin, 16, "half"))
@@ -885,8 +885,8 @@ def count_launches(monkeypatch):
 
 @interpreter
 @pytest.mark.parametrize("model, rotary_fraction", OP_CASES)
-def test_op_through_triton_on_cpu(model, rotary_fraction, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_through_triton_on_cpu(model, rotary_fraction, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = count_launches(monkeypatch)
     check_op_autograd(model, rotary_fraction, gen, shape=(1, 4, 2, 2, 32))
     # a silent fall-back to the reference path must not pass
@@ -898,8 +898,8 @@ def test_op_through_triton_on_cpu(model, rotary_fraction, gen, monkeypatch):
     "requires_grad, with_k",
     [pytest.param((False, True), True, id="k_grad_only"), pytest.param((True, False), False, id="k_absent")],
 )
-def test_op_through_triton_partial_grads(requires_grad, with_k, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_op_through_triton_partial_grads(requires_grad, with_k, gen, monkeypatch, triton_on_cpu):
+    triton_on_cpu()
     launched = count_launches(monkeypatch)
     check_op_autograd("glm", 2, gen, requires_grad=requires_grad, with_k=with_k, shape=(1, 4, 2, 2, 32))
     assert launched == ["rope_forward_triton", "rope_backward_triton"]

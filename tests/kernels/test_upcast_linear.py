@@ -94,13 +94,13 @@ def gated_leaves(gen, dtype, activation="silu"):
 @pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=pytest.mark.skipif(
     not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter"))])  # fmt: skip
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gated_input_recomputed_gives_the_same_gradients(path, activation, gen, monkeypatch):
+def test_gated_input_recomputed_gives_the_same_gradients(path, activation, gen, triton_on_cpu):
     """``upcast_linear_gated(x, gate, up, W)`` with ``x = gated_activation(gate, up)``: the same output as
     ``upcast_linear(x, W)`` and the same gradients for gate, up (through x) and W, bit for bit (x is recomputed by
     the gated op's own forward), while gate and up, not x, are what it saves (fp16: the interpreter's bf16 is
     broken)."""
     if path == "triton":
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+        triton_on_cpu()
     dtype = torch.float16 if path == "triton" else torch.bfloat16
     gate, up, w, act = gated_leaves(gen, dtype, activation)
     dy = torch.randn(2, 5, 16, generator=gen)
@@ -231,10 +231,11 @@ def test_triton_kernels_are_deterministic(gen, triton_path):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(monkeypatch):
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(monkeypatch, triton_on_cpu):
     monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     x = torch.randn(4, 8).half()
+    assert not module.triton_path(x, torch.randn(16, 8))  # CPU tensors: the reference, unless asked
+    triton_on_cpu()
     assert module.triton_path(x, torch.randn(16, 8)) == (HAS_TRITON and interpreting())
     monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "0")
     assert not module.triton_path(x, torch.randn(16, 8))  # switched off
@@ -282,11 +283,11 @@ def big_gated_inputs(gen, dtype, rows=1000, n_in=40, n_out=8):
 
 
 @pytest.mark.parametrize("path", TRITON_OR_REFERENCE)
-def test_gated_weight_gradient_in_row_slices(path, gen, monkeypatch):
+def test_gated_weight_gradient_in_row_slices(path, gen, monkeypatch, triton_on_cpu):
     """With a small ``GATED_RECOMPUTE_BYTES`` the product is recomputed 256 rows at a time (4 slices, the last one
     short): dW within fp32 rounding of the unsliced one and of fp64 (of the same fp16 product), dx unchanged."""
     if path == "triton":
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+        triton_on_cpu()
     dy, gate, up, w = big_gated_inputs(gen, torch.float16)
     whole = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, w, 1.0, 1.0, "silu", True, True)
     monkeypatch.setattr(module, "GATED_RECOMPUTE_BYTES", 256 * 40 * 2)
@@ -301,11 +302,11 @@ def test_gated_weight_gradient_in_row_slices(path, gen, monkeypatch):
 
 @pytest.mark.parametrize("path", TRITON_OR_REFERENCE)
 @pytest.mark.parametrize("need_w", [True, False])
-def test_gated_grads_accumulated_into_the_base_gradient(path, need_w, gen, monkeypatch):
+def test_gated_grads_accumulated_into_the_base_gradient(path, need_w, gen, triton_on_cpu):
     """``upcast_linear_gated_grads_acc_(acc, ...)``: ``acc`` becomes exactly ``acc + dx`` as the ``add`` it
     replaces rounds it, and the returned dW is the out-of-place op's."""
     if path == "triton":
-        monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+        triton_on_cpu()
     dy, gate, up, w = big_gated_inputs(gen, torch.float16, rows=77)
     dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, w, 1.0, 1.0, "gelu_tanh", True, need_w)
     acc = torch.randn(77, 40, generator=gen).to(torch.float16)

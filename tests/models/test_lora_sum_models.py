@@ -66,10 +66,10 @@ def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter")
-def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monkeypatch):
+def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monkeypatch, triton_on_cpu):
     """Every fused op's Triton kernels (lora_sum's and upcast_linear's included), fp16 (the interpreter's bf16
     arithmetic is broken)."""
-    monkeypatch.setenv("FUSER_CPU_TRITON", "1")
+    triton_on_cpu()
     monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     import fuser.kernels.upcast_linear as U
 
