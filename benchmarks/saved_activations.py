@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fuser.patterns.gated_mlp as gated_pattern
 import fuser.patterns.upcast_linear as upcast_pattern
+from fuser.config import FuserConfig
 from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
 
@@ -35,10 +36,16 @@ BATCH, SEQ = 2, 64
 
 
 def saved_for_backward(
-    fn, args: tuple, kwargs: dict, patterns: list, producers: list[str] | None = None
+    fn,
+    args: tuple,
+    kwargs: dict,
+    patterns: list,
+    producers: list[str] | None = None,
+    config: FuserConfig | None = None,
 ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of each tensor the forward of ``fn(*args, **kwargs)`` saves for the backward, as Inductor's
-    partitioner (min-cut rematerialisation) chooses them after fuser's ``patterns`` rewrote the graph; graph inputs
+    partitioner (min-cut rematerialisation) chooses them after fuser's ``patterns`` rewrote the graph (with the
+    options of ``config``, default ``FuserConfig()``); graph inputs
     and views of them (a weight's transpose) hold no memory of their own and are left out. Runs one backward.
     ``producers``, if given, receives the name of the op that made each saved tensor (views looked through)."""
     saved = []
@@ -64,7 +71,7 @@ def saved_for_backward(
                          partition_fn=min_cut_rematerialization_partition)  # fmt: skip
 
     def backend(gm, example_inputs):
-        return inner(rewrite(gm, patterns)[0] if patterns else gm, example_inputs)
+        return inner(rewrite(gm, patterns, config or FuserConfig())[0] if patterns else gm, example_inputs)
 
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend)(*args, **kwargs)

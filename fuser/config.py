@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+
+from fuser.patterns import PATTERNS
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -54,8 +53,6 @@ class FuserConfig:
             if bad:
                 raise TypeError(f"fuser: FuserConfig.patterns takes pattern names (strings), got {bad!r}")
             object.__setattr__(self, "patterns", names)
-            from fuser.patterns import PATTERNS
-
             unknown = sorted(set(self.patterns) - set(PATTERNS))
             if unknown:
                 raise ValueError(f"fuser: unknown pattern(s) {unknown}; known patterns are {sorted(PATTERNS)}")
@@ -74,25 +71,5 @@ class FuserConfig:
 
     def enabled(self, pattern_name: str) -> bool:
         if self.patterns is None:
-            from fuser.patterns import PATTERNS
-
             return PATTERNS[pattern_name].default
         return pattern_name in self.patterns
-
-
-_ACTIVE_CONFIG: ContextVar[FuserConfig | None] = ContextVar("fuser_active_config", default=None)
-
-
-@contextmanager
-def using_config(config: FuserConfig) -> Iterator[None]:
-    """Make ``config`` the one :func:`active_config` returns while graphs are matched and rewritten."""
-    token = _ACTIVE_CONFIG.set(config)
-    try:
-        yield
-    finally:
-        _ACTIVE_CONFIG.reset(token)
-
-
-def active_config() -> FuserConfig:
-    """The config of the rewrite (or ``fuser.explain``) in progress: what a pattern's check may depend on."""
-    return _ACTIVE_CONFIG.get() or FuserConfig()

@@ -22,14 +22,16 @@ import operator
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from fuser.config import FuserConfig, using_config
 from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import OUTER_VALUE, Found, closest_miss, escaping_use, match_tree
 from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 log = logging.getLogger("fuser")
 
@@ -112,7 +114,9 @@ def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Graph
     return out
 
 
-def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: str, result: RewriteResult) -> None:
+def _find_in_graph(
+    graph: torch.fx.Graph, patterns: list[Pattern], config: FuserConfig, graph_name: str, result: RewriteResult
+) -> None:
     claimed: set[Node] = set()
     anchors: list[tuple[Pattern, Node]] = []
     calls = [(n, canonical(n)) for n in reversed(graph.nodes) if n.op in ("call_function", "call_method")]
@@ -126,7 +130,7 @@ def _find_in_graph(graph: torch.fx.Graph, patterns: list[Pattern], graph_name: s
                     anchors.append((pattern, node))
             if node in claimed:
                 continue
-            accepted = _try_patterns(node, group, claimed, graph_name, result)
+            accepted = _try_patterns(node, group, config, claimed, graph_name, result)
             if accepted is not None:
                 claimed.update(accepted.found.nodes)
     for pattern in patterns:
@@ -181,7 +185,7 @@ def _unmatched_anchor_reason(pattern: Pattern, anchor: Node, taken: set[Node]) -
 
 
 def _try_patterns(
-    node: Node, patterns: list[Pattern], claimed: set[Node], graph_name: str, result: RewriteResult
+    node: Node, patterns: list[Pattern], config: FuserConfig, claimed: set[Node], graph_name: str, result: RewriteResult
 ) -> Match | None:
     for pattern in patterns:
         reasons: set[str] = set()  # of this pattern's declines at this node
@@ -194,7 +198,10 @@ def _try_patterns(
                     if escape is not None:
                         inner, user = escape
                         raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
-                    replacement = pattern.check(found, variant)
+                    if pattern.takes_config:
+                        replacement = pattern.check(found, variant, config)
+                    else:
+                        replacement = pattern.check(found, variant)
                     if replacement.dropped_outputs and graph_name:
                         # a nested subgraph's outputs are its higher-order op's: they must keep their values
                         raise Decline(f"the nested graph `{graph_name}` returns values the fused op does not compute")
@@ -239,16 +246,16 @@ def link_nested_inputs(gm: torch.fx.GraphModule) -> None:
                         placeholder.meta[OUTER_VALUE] = outer
 
 
-def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig | None = None) -> RewriteResult:
+def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig) -> RewriteResult:
     """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing.
 
-    The checks that depend on ``config`` (``keep_logits``) read it through :func:`fuser.config.active_config`.
+    The checks of the patterns that take the config (``takes_config``) receive ``config``: ``keep_logits``, and
+    their own options, which their fused ops may take as arguments.
     """
     result = RewriteResult()
     link_nested_inputs(gm)
-    with using_config(config or FuserConfig()):
-        for name, module in subgraph_modules(gm):
-            _find_in_graph(module.graph, patterns, name, result)
+    for name, module in subgraph_modules(gm):
+        _find_in_graph(module.graph, patterns, config, name, result)
     return result
 
 
@@ -285,9 +292,9 @@ def apply_matches(result: RewriteResult) -> None:
         outputs = [(root, replacement.output_index), *replacement.extra_outputs]
         first = min((r for r, _ in outputs), key=order.__getitem__)
         with graph.inserting_before(first):
-            args = tuple(resolve(a) for a in replacement.args)
-            args = tuple(a.build(graph) if isinstance(a, ArgExpr) else a for a in args)
-            call = graph.call_function(replacement.op, args)
+            args = tuple(_built(resolve(a), graph) for a in replacement.args)
+            kwargs = {k: _built(resolve(v), graph) for k, v in replacement.kwargs.items()}
+            call = graph.call_function(replacement.op, args, kwargs)
         _copy_source_meta(root, call)
         for old, index in outputs:
             fused = call
@@ -316,6 +323,11 @@ def apply_matches(result: RewriteResult) -> None:
         graph.lint()
 
 
+def _built(value: Any, graph: torch.fx.Graph) -> Any:
+    """A replacement argument as the fused op's call takes it: an :class:`ArgExpr` built in ``graph``."""
+    return value.build(graph) if isinstance(value, ArgExpr) else value
+
+
 def _return_none_for(node: Node) -> None:
     """Make the graph return ``None`` where it returned ``node`` (Dynamo, AOT autograd and Inductor accept it)."""
     for user in list(node.users):
@@ -341,16 +353,17 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def rewrite(
-    gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig | None = None
+    gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig
 ) -> tuple[torch.fx.GraphModule, RewriteResult]:
-    """Match and replace on a copy of ``gm``; ``gm`` itself is never modified."""
+    """Match and replace on a copy of ``gm`` as ``config`` asks; ``gm`` itself is never modified."""
     clone = clone_graph_module(gm)
     result = find_matches(clone, patterns, config)
     if result.matches:
         apply_matches(result)
         for pattern in patterns:
             if pattern.after_apply is not None:
-                n = sum(pattern.after_apply(module.graph) for _, module in subgraph_modules(clone))
+                extra = (config,) if pattern.takes_config else ()
+                n = sum(pattern.after_apply(module.graph, *extra) for _, module in subgraph_modules(clone))
                 if n:
                     result.refined[pattern.name] = n
                     log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
-
-from fuser.engine.match import Found
 
 Node = torch.fx.Node
 
@@ -100,6 +98,7 @@ class Replacement:
 
     op: Any  # an OpOverload, e.g. torch.ops.fuser.rms_norm.default
     args: tuple[Any, ...]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
     output_index: int | None = None  # the op returns a tuple: the block's value is this element
     # a combined match (q and k rotated by one op) replaces more roots: (root node, output index) for each
     extra_outputs: tuple[tuple[Node, int], ...] = ()
@@ -126,14 +125,17 @@ class Pattern:
     ``after_apply(graph)``, if given, runs on each rewritten graph once every match is applied, and returns how many
     of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input that a
     gated op computes is recomputed, not saved).
+    ``takes_config``: ``check(found, variant, config)`` and ``after_apply(graph, config)`` also receive the
+    :class:`fuser.FuserConfig` being compiled (a pattern with options of its own reads them there).
     """
 
     name: str
     variants: list[Variant]
-    check: Callable[[Found, Variant], Replacement]
+    check: Callable[..., Replacement]
     anchors: frozenset[str] = field(default_factory=frozenset)
     combine: Callable[[list[Any]], list[Any]] | None = None
     judges_outside_uses: bool = False
     runs_first: bool = False
     default: bool = True
-    after_apply: Callable[[Any], int] | None = None
+    after_apply: Callable[..., int] | None = None
+    takes_config: bool = False

@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import fuser.kernels.linear_cross_entropy  # noqa: F401  (registers torch.ops.fuser.linear_cross_entropy)
-from fuser.config import active_config
 from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, same_scalar, scalar_hint
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 Node = torch.fx.Node
 
@@ -157,7 +160,7 @@ def _operand(node: Node, dtype: torch.dtype) -> Node | CastTo:
     return node if tensor_meta(node).dtype == dtype else CastTo(node, dtype)
 
 
-def check_linear_cross_entropy(found: Found, variant: Variant) -> Replacement:
+def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
     if b.get("class_weight") is not None:
         raise Decline("cross_entropy with class weights (weight=)")
@@ -228,7 +231,7 @@ def check_linear_cross_entropy(found: Found, variant: Variant) -> Replacement:
     if returned:
         returns = f"the graph returns the logits ({', '.join(f'`{n.name}`' for n in returned)})"
         as_written = "the loss is computed from them as written"
-        if active_config().keep_logits:
+        if config.keep_logits:
             raise Decline(f"{returns} and FuserConfig.keep_logits=True: {as_written}")
         if not (grad_hidden or grad_weight or grad_bias):
             raise Decline(f"{returns} and no gradient is wanted (evaluation): {as_written}")
@@ -261,4 +264,5 @@ LINEAR_CROSS_ENTROPY = Pattern(
     check_linear_cross_entropy,
     anchors=frozenset({"cross_entropy"}),
     judges_outside_uses=True,
+    takes_config=True,
 )

@@ -85,7 +85,7 @@ def test_rewritten_graph_calls_sdpa_with_is_causal(gen):
         return real(*args, **kwargs)
 
     q, k, v = qkv(gen)
-    gm, _ = rewrite(_capture(hf_5_17, q, k, v), [PATTERNS["causal_attention"]])
+    gm, _ = rewrite(_capture(hf_5_17, q, k, v), [PATTERNS["causal_attention"]], fuser.FuserConfig())
     module.F.scaled_dot_product_attention = spy
     try:
         gm(*[x.detach() for x in (q, k, v)])

@@ -79,7 +79,7 @@ def sdpa_calls(fn, q, k, v):
     torch._dynamo.reset()
     torch.compile(fn, backend=capture)(q, k, v)
     (captured, inputs), *_ = graphs
-    gm, _ = rewrite(captured, [PATTERNS["causal_attention"]])
+    gm, _ = rewrite(captured, [PATTERNS["causal_attention"]], fuser.FuserConfig())
     calls, real = [], F.scaled_dot_product_attention
 
     def spy(query, key, value, *args, **kwargs):
