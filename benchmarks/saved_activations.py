@@ -3,8 +3,9 @@ them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all li
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
 (``upcast_linear.RECOMPUTE_GATED_INPUT``), fuser; or (``--job llama32-1b-full``) a Llama-3.2-1B layer under full
 fine-tuning: torch.compile, fuser without the down projection's recompute (``gated_mlp.RECOMPUTE_FOR_DOWN_WEIGHT``),
-fuser. Runs on a CPU (the partition depends on the graph, not on the device); 1 and 2 layers at batch 2×64, the
-difference is one layer.
+fuser; each job also with causal_attention's grouped-query fold
+(``options={"causal_attention": {"gqa_fold": True}}``). Runs on a CPU (the partition depends on the graph, not on
+the device); 1 and 2 layers at batch 2×64, the difference is one layer.
 
     python benchmarks/saved_activations.py [--job llama3-8b-lora | llama32-1b-full] [--out FILE]
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import os
 from collections import Counter
 
 import peft
@@ -79,7 +79,7 @@ def saved_for_backward(
     return saved
 
 
-GQA = "fuser with FUSER_CAUSAL_GQA=1"  # causal_attention's grouped-query fold (off by default)
+GQA = "fuser with causal_attention.gqa_fold"  # causal_attention's grouped-query fold (off by default)
 MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser", GQA)
 FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser", GQA)
 # a job of jobs.JOBS → its title; the layers are its checkpoint's widths, the vocabulary a small one
@@ -113,17 +113,12 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
     upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
     gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = mode != FULL_MODES[1]
     producers: list[str] = []
-    fold = os.environ.get("FUSER_CAUSAL_GQA")
-    os.environ["FUSER_CAUSAL_GQA"] = "1" if mode == GQA else "0"
+    config = FuserConfig(causal_attention={"gqa_fold": mode == GQA})
     try:
-        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers)
+        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers, config)
     finally:
         upcast_pattern.RECOMPUTE_GATED_INPUT = True
         gated_pattern.RECOMPUTE_FOR_DOWN_WEIGHT = True
-        if fold is None:
-            del os.environ["FUSER_CAUSAL_GQA"]
-        else:
-            os.environ["FUSER_CAUSAL_GQA"] = fold
     return [(op, dtype, shape) for op, (dtype, shape) in zip(producers, saved, strict=True)]
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from fuser.options import build as build_options
 from fuser.patterns import PATTERNS
+from fuser.patterns.causal_attention import CausalAttentionConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig"]
 
 
 @dataclass(frozen=True)
@@ -23,12 +27,22 @@ class FuserConfig:
                      is fused and the logits are never computed; the graph returns ``None`` in their place
                      (``outputs.logits is None``). Evaluation (no gradient wanted) always keeps returned logits.
     strict:          raise instead of falling back to the unrewritten graph when the rewrite fails (tests use it).
+
+    Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
+    is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
+    out keep their defaults:
+
+    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
+
+    e.g. ``FuserConfig(causal_attention={"runtime_check": True})``, or by name from a trainer:
+    ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
     """
 
     patterns: tuple[str, ...] | None = None
     inner_compiler: str = "inductor"
     keep_logits: bool = False
     strict: bool = False
+    causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
@@ -56,15 +70,18 @@ class FuserConfig:
             unknown = sorted(set(self.patterns) - set(PATTERNS))
             if unknown:
                 raise ValueError(f"fuser: unknown pattern(s) {unknown}; known patterns are {sorted(PATTERNS)}")
+        for name, cls in _pattern_options().items():
+            object.__setattr__(self, name, build_options(cls, getattr(self, name), name))
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> FuserConfig:
-        """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config's fields."""
+        """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config's fields; a pattern's
+        options are a nested dict (``{"causal_attention": {"gqa_fold": True}}``)."""
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"fuser: options must be a dict of FuserConfig fields, got {type(options).__name__}")
         options = dict(options or {})
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields)
+        unknown = sorted(set(options) - fields, key=str)
         if unknown:
             raise ValueError(f"fuser: unknown option(s) {unknown}; FuserConfig fields are {sorted(fields)}")
         return cls(**options)
@@ -73,3 +90,12 @@ class FuserConfig:
         if self.patterns is None:
             return PATTERNS[pattern_name].default
         return pattern_name in self.patterns
+
+
+def _pattern_options() -> dict[str, type]:
+    """FuserConfig's fields that hold a pattern's options dataclass, by name."""
+    return {
+        f.name: f.default_factory
+        for f in dataclasses.fields(FuserConfig)
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
+    }

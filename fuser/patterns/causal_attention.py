@@ -22,22 +22,26 @@ Grouped-query attention. Where no mask is given, transformers calls SDPA with ``
 k and v; where it passes a mask (traced, as above) it first expands them to the query's heads itself
 (``repeat_kv``: ``k[:, :, None].expand(b, kv_heads, n_rep, s, d).reshape(b, kv_heads * n_rep, s, d)``), and the
 expanded copies are what the backward then saves (on Llama-3.2-1B 8,192 of a layer's 69,768 saved bytes per token,
-by the partitioner's choices on CPU). With ``FUSER_CAUSAL_GQA=1`` the rewritten call is given the unexpanded k and v
+by the partitioner's choices on CPU). With ``gqa_fold=True`` the rewritten call is given the unexpanded k and v
 with ``enable_gqa=True`` — the same function: query head ``h`` reads key/value head ``h // n_rep`` either way — when
 both are exactly that expansion (an ``expand`` of a new dim 2 merged into dim 1; ``repeat``'s tiling order or any
 other form is left as written). Off by default: which SDPA kernel takes ``enable_gqa`` on a GPU, and at what speed,
 is not yet measured.
 
 A mask built from a graph input (the ``attention_mask`` the HF Trainer's collators pass, all ones when nothing is
-padded) cannot be proved at compile time. With ``FUSER_CAUSAL_RUNTIME_CHECK=1`` (off by default: not yet measured
-on a GPU) such a bool mask is compared with the causal mask on the device at every call, and ``torch.cond`` runs
+padded) cannot be proved at compile time. With ``runtime_check=True`` (off by default: not yet measured on a GPU)
+such a bool mask is compared with the causal mask on the device at every call, and ``torch.cond`` runs
 ``is_causal=True`` when they are equal, the masked call as written otherwise (not inside a checkpointed body, not
 with dropout).
+
+Both switches are :class:`CausalAttentionConfig` (``FuserConfig.causal_attention``,
+``options={"causal_attention": {"gqa_fold": True}}``).
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -45,9 +49,31 @@ import torch.nn.functional as F
 
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
+from fuser.options import check_fields
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
+
 Node = torch.fx.Node
+
+
+@dataclass(frozen=True)
+class CausalAttentionConfig:
+    """The causal-attention rewrite's switches, both off until measured on a GPU (module docstring).
+
+    gqa_fold:       a proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
+                    ``enable_gqa=True``, so the backward saves them instead of the copies.
+    runtime_check:  a bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the
+                    device at each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal.
+    """
+
+    gqa_fold: bool = False
+    runtime_check: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, "causal_attention")
+
 
 # the largest sequence whose mask is evaluated at compile time (a T×T bool on the CPU: 4 GiB at 65536)
 MAX_EVALUATED_LENGTH = 65536
@@ -148,7 +174,7 @@ def _causal_verdict(mask: Node, length: int) -> str | None:
     return None
 
 
-def check_causal_attention(found: Found, variant: Variant) -> Replacement:
+def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
     q, k, v, mask = b["q"], b["k"], b["v"], b["mask"]
     qt, kt = tensor_meta(q), tensor_meta(k)
@@ -171,21 +197,15 @@ def check_causal_attention(found: Found, variant: Variant) -> Replacement:
         memo[lq] = _causal_verdict(source, lq)
     enable_gqa = bool(b["enable_gqa"])
     if memo[lq] is not None:
-        if memo[lq].startswith(_INPUT_DEPENDENT) and runtime_check_enabled():
+        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             _check_runtime_variant(found)
             return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa))
         raise Decline(memo[lq])
-    if not enable_gqa and gqa_fold_enabled():
+    if not enable_gqa and config.causal_attention.gqa_fold:
         k_kv, v_kv = _unrepeated(k), _unrepeated(v)
         if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
             k, v, enable_gqa = k_kv[0], v_kv[0], True
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
-
-
-def gqa_fold_enabled() -> bool:
-    """``FUSER_CAUSAL_GQA=1``: a proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v
-    with ``enable_gqa=True`` (off by default until measured on a GPU)."""
-    return os.environ.get("FUSER_CAUSAL_GQA", "0") == "1"
 
 
 def _is_call(node: object, *names: str) -> bool:
@@ -239,12 +259,6 @@ def _unrepeated(node: Node) -> tuple[Node, int] | None:
     return kv, n_rep
 
 
-def runtime_check_enabled() -> bool:
-    """``FUSER_CAUSAL_RUNTIME_CHECK=1``: a mask computed from graph inputs is compared with the causal mask on the
-    device at each call (off by default until measured on a GPU)."""
-    return os.environ.get("FUSER_CAUSAL_RUNTIME_CHECK", "0") == "1"
-
-
 def _check_runtime_variant(found: Found) -> None:
     b = found.bindings
     mask_meta = tensor_meta(b["mask"])
@@ -280,4 +294,4 @@ VARIANTS = [
     ),
 ]
 
-CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention)
+CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention, takes_config=True)

@@ -21,6 +21,7 @@ from fuser.patterns import PATTERNS
 
 B, H, T, D = 2, 4, 16, 8
 STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
+RUNTIME_CHECK = {"causal_attention": {"runtime_check": True}}
 
 
 def qkv(gen, t_q=T, t_k=T, dtype=torch.float32):
@@ -227,7 +228,7 @@ def test_dynamic_shapes_are_declined(gen):
     assert any("symbolic" in r for r in reasons), reasons
 
 
-# --- a mask from a graph input, checked at run time (FUSER_CAUSAL_RUNTIME_CHECK=1) -------------------------------
+# --- a mask from a graph input, checked at run time (causal_attention.runtime_check) ------------------------------
 
 
 def padded(q, k, v, keep):  # transformers 5.17's mask with a padding mask from the batch
@@ -237,9 +238,8 @@ def padded(q, k, v, keep):  # transformers 5.17's mask with a padding mask from 
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_runtime_check_takes_the_branch_the_mask_calls_for(inner, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
-    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler=inner, strict=True)
+def test_runtime_check_takes_the_branch_the_mask_calls_for(inner, gen):
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler=inner, strict=True, **RUNTIME_CHECK)
     q, k, v = qkv(gen)
     keep = torch.ones(B, T, dtype=torch.bool)
     assert fuser.explain(padded, q, k, v, keep, config=config).counts == {"causal_attention": 1}
@@ -265,8 +265,7 @@ def test_runtime_check_takes_the_branch_the_mask_calls_for(inner, gen, monkeypat
 def test_runtime_check_calls_is_causal_only_for_the_causal_mask(gen, monkeypatch):
     """The device-side predicate is True for an all-ones padding mask and False once a key is padded (seen through
     a stand-in for torch.cond that records it and runs the branch it picks)."""
-    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
-    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="eager", strict=True)
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="eager", strict=True, **RUNTIME_CHECK)
     picked = []
 
     def recording_cond(pred, true_fn, false_fn, operands):
@@ -284,8 +283,8 @@ def test_runtime_check_calls_is_causal_only_for_the_causal_mask(gen, monkeypatch
     assert picked == [True, False], picked
 
 
-def test_runtime_check_declines_what_it_cannot_branch_around(gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", "1")
+def test_runtime_check_declines_what_it_cannot_branch_around(gen):
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, **RUNTIME_CHECK)
     q, k, v = qkv(gen)
     keep = torch.ones(B, T, dtype=torch.bool)
 
@@ -307,24 +306,25 @@ def test_runtime_check_declines_what_it_cannot_branch_around(gen, monkeypatch):
         return torch.utils.checkpoint.checkpoint(body, q, k, v, mask, use_reentrant=False)
 
     for fn, reason in ((float_mask, "bool masks"), (with_dropout, "dropout"), (checkpointed, "nested body")):
-        report = fuser.explain(fn, q, k, v, keep, config=STRICT)
+        report = fuser.explain(fn, q, k, v, keep, config=config)
         assert report.counts == {}, f"{fn.__name__}: {report}"
         reasons = [nm.reason for nm in report.near_misses if nm.pattern == "causal_attention"]
         assert any(reason in r for r in reasons), f"{fn.__name__}: {reasons}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("runtime_check", ["0", "1"])
-def test_gpu_causal_rewrites_through_inductor(runtime_check, monkeypatch):
+@pytest.mark.parametrize("runtime_check", [False, True])
+def test_gpu_causal_rewrites_through_inductor(runtime_check):
     """On CUDA (flash / cuDNN kernels), bf16, through Inductor: the constant mask and, with the run-time check, the
     padding-mask form give eager's values and gradients (to bf16 attention's rounding) in both branches."""
-    monkeypatch.setenv("FUSER_CAUSAL_RUNTIME_CHECK", runtime_check)
-    config = fuser.FuserConfig(patterns=("causal_attention",), strict=True)
+    config = fuser.FuserConfig(
+        patterns=("causal_attention",), strict=True, causal_attention={"runtime_check": runtime_check}
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 8, 512, 64)
     q, k, v = (torch.randn(shape, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(3))
     keep = torch.ones(2, 512, dtype=torch.bool, device="cuda")
-    cases = [(hf_5_17, (q, k, v))] + ([(padded, (q, k, v, keep))] if runtime_check == "1" else [])
+    cases = [(hf_5_17, (q, k, v))] + ([(padded, (q, k, v, keep))] if runtime_check else [])
     for fn, args in cases:
         compiled = torch.compile(fn, backend=fuser.backend(config))
         for step in range(2 if fn is padded else 1):

@@ -1,6 +1,7 @@
-"""causal_attention's grouped-query fold (``FUSER_CAUSAL_GQA=1``): a proved-causal SDPA call on transformers'
-``repeat_kv`` copies is given the unexpanded k and v with ``enable_gqa=True``. Same values and gradients as the
-call as written; forms with another head order (``repeat``'s tiling) are left alone; off by default."""
+"""causal_attention's grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``): a proved-causal SDPA
+call on transformers' ``repeat_kv`` copies is given the unexpanded k and v with ``enable_gqa=True``. Same values and
+gradients as the call as written; forms with another head order (``repeat``'s tiling) are left alone; off by
+default."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from tests.models import tiny
 
 B, H, KV, T, D = 2, 6, 2, 16, 8
 STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
+FOLD = fuser.FuserConfig(
+    patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, causal_attention={"gqa_fold": True}
+)
 
 
 @pytest.fixture
@@ -68,8 +72,9 @@ def head_major(q, k, v):  # the new dim in front of the heads: again head i % kv
     return F.scaled_dot_product_attention(q, k2, v2, attn_mask=causal_mask(q))
 
 
-def sdpa_calls(fn, q, k, v):
-    """(key heads, enable_gqa, is_causal) of each SDPA call the rewritten graph of ``fn`` makes."""
+def sdpa_calls(fn, q, k, v, config):
+    """(key heads, enable_gqa, is_causal) of each SDPA call the graph of ``fn`` makes, rewritten as ``config``
+    asks."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -79,7 +84,7 @@ def sdpa_calls(fn, q, k, v):
     torch._dynamo.reset()
     torch.compile(fn, backend=capture)(q, k, v)
     (captured, inputs), *_ = graphs
-    gm, _ = rewrite(captured, [PATTERNS["causal_attention"]], fuser.FuserConfig())
+    gm, _ = rewrite(captured, [PATTERNS["causal_attention"]], config)
     calls, real = [], F.scaled_dot_product_attention
 
     def spy(query, key, value, *args, **kwargs):
@@ -94,15 +99,15 @@ def sdpa_calls(fn, q, k, v):
     return calls
 
 
-def train_the_same(fn, q, k, v):
+def train_the_same(fn, q, k, v, config):
     expected = fn(q, k, v)
     expected.square().sum().backward()
     ref = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    fuser.backend(STRICT).results.clear()
-    out = torch.compile(fn, backend=fuser.backend(STRICT))(q, k, v)
-    assert fuser.backend(STRICT).counts == {"causal_attention": 1}
+    fuser.backend(config).results.clear()
+    out = torch.compile(fn, backend=fuser.backend(config))(q, k, v)
+    assert fuser.backend(config).counts == {"causal_attention": 1}
     out.square().sum().backward()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for name, t, r in zip("qkv", (q, k, v), ref, strict=True):
@@ -110,57 +115,56 @@ def train_the_same(fn, q, k, v):
 
 
 @pytest.mark.parametrize("fn", [hf_repeat_kv, unsqueeze_form], ids=lambda f: f.__name__)
-def test_repeat_kv_is_folded_into_enable_gqa(fn, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CAUSAL_GQA", "1")
+def test_repeat_kv_is_folded_into_enable_gqa(fn, gen):
     q, k, v = qkv(gen)
-    assert sdpa_calls(fn, q, k, v) == [(KV, True, True)]
-    train_the_same(fn, q, k, v)
+    assert sdpa_calls(fn, q, k, v, FOLD) == [(KV, True, True)]
+    train_the_same(fn, q, k, v, FOLD)
 
 
 @pytest.mark.parametrize("fn", [tiled, head_major], ids=lambda f: f.__name__)
-def test_other_head_orders_are_not_folded(fn, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_CAUSAL_GQA", "1")
+def test_other_head_orders_are_not_folded(fn, gen):
     q, k, v = qkv(gen)
-    assert sdpa_calls(fn, q, k, v) == [(H, False, True)]  # causal still, on the copies as written
-    train_the_same(fn, q, k, v)
+    assert sdpa_calls(fn, q, k, v, FOLD) == [(H, False, True)]  # causal still, on the copies as written
+    train_the_same(fn, q, k, v, FOLD)
 
 
-def test_off_by_default(gen, monkeypatch):
-    monkeypatch.delenv("FUSER_CAUSAL_GQA", raising=False)
+def test_off_by_default(gen):
     q, k, v = qkv(gen)
-    assert sdpa_calls(hf_repeat_kv, q, k, v) == [(H, False, True)]
+    assert fuser.FuserConfig().causal_attention.gqa_fold is False
+    assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig()) == [(H, False, True)]
+    assert sdpa_calls(hf_repeat_kv, q, k, v, STRICT) == [(H, False, True)]
 
 
-def test_llama_step_the_same_and_saves_the_unexpanded_kv(monkeypatch):
+def test_llama_step_the_same_and_saves_the_unexpanded_kv():
     """A tiny GQA Llama (4 query heads, 2 kv heads, use_cache=False as in training): one fp32 step through fuser
     with the fold equals eager; the partitioner then saves k and v with 2 heads, not their 4-head copies."""
-    monkeypatch.setenv("FUSER_CAUSAL_GQA", "1")
 
     def build():
         return tiny.from_config("LlamaConfig", {"attn_implementation": "sdpa", "use_cache": False})
 
-    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
-    tiny.assert_training_step_equals_eager(build(), config)
+    tiny.assert_training_step_equals_eager(build(), FOLD)
 
-    def kv_sized(fold: str) -> list[tuple[int, ...]]:
-        monkeypatch.setenv("FUSER_CAUSAL_GQA", fold)
+    def kv_sized(fold: bool) -> list[tuple[int, ...]]:
         model, ids = build(), torch.randint(0, tiny.VOCAB, (2, 8))
         saved = tiny.load_saved_activations().saved_for_backward(
-            model, (), {"input_ids": ids, "labels": ids}, [PATTERNS["causal_attention"]]
+            model,
+            (),
+            {"input_ids": ids, "labels": ids},
+            [PATTERNS["causal_attention"]],
+            config=fuser.FuserConfig(causal_attention={"gqa_fold": fold}),
         )
         return sorted(shape for _, shape in saved if len(shape) == 4 and shape[-1] == 16)  # head_dim 16
 
     # per layer (2 layers): q's 4 heads saved either way; k and v as 4-head copies without the fold, 2-head with it
-    heads_unfolded, heads_folded = ([s[1] for s in kv_sized(fold)] for fold in "01")
+    heads_unfolded, heads_folded = ([s[1] for s in kv_sized(fold)] for fold in (False, True))
     assert heads_unfolded.count(4) >= heads_folded.count(4) + 4
     assert heads_folded.count(2) >= 4
 
 
 @pytest.mark.gpu
-def test_gpu_folded_call_through_inductor(monkeypatch):
+def test_gpu_folded_call_through_inductor():
     """On CUDA, bf16, through Inductor: the folded call gives eager's values and gradients (to bf16 rounding)."""
-    monkeypatch.setenv("FUSER_CAUSAL_GQA", "1")
-    config = fuser.FuserConfig(patterns=("causal_attention",), strict=True)
+    config = fuser.FuserConfig(patterns=("causal_attention",), strict=True, causal_attention={"gqa_fold": True})
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 32, 512, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(2, 8, 512, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
