@@ -9,10 +9,11 @@ from typing import Any
 from fuser.options import build as build_options
 from fuser.patterns import PATTERNS
 from fuser.patterns.causal_attention import CausalAttentionConfig
+from fuser.patterns.gated_mlp import GatedMLPConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
-__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig"]
+__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig", "GatedMLPConfig"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class FuserConfig:
     out keep their defaults:
 
     causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
+    gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
+                           for swiglu and geglu.
 
     e.g. ``FuserConfig(causal_attention={"runtime_check": True})``, or by name from a trainer:
     ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
@@ -43,6 +46,7 @@ class FuserConfig:
     keep_logits: bool = False
     strict: bool = False
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
+    gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:

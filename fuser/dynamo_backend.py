@@ -43,18 +43,19 @@ _SOURCE_DIGEST = _source_digest()
 
 def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
     """fuser's post-grad pass: :func:`fuser.engine.inplace.accumulate_gated_dx` and
-    :func:`~fuser.engine.inplace.reinplace_gated_backward` (unless switched off), then the user's own post-grad
-    pass, if any; the numbers of calls rewritten are added to ``counts``.
+    :func:`~fuser.engine.inplace.reinplace_gated_backward` (unless ``config.gated_mlp.backward_in_place`` is off),
+    then the user's own post-grad pass, if any; the numbers of calls rewritten are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
-    keys: fuser's source, config and switch are in it, and the user's pass keeps its uuid in the key.
+    keys: fuser's source and the whole config (its repr, nested options included: every switch there is) are in
+    it, and the user's pass keeps its uuid in the key.
     """
     base = _compat.custom_graph_pass_base()
     previous = _compat.current_post_grad_custom_post_pass()
 
     class FuserPostGrad(base):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            for name, plan_pass, apply_pass in inplace.PASSES if inplace.GATED_BACKWARD_IN_PLACE else ():
+            for name, plan_pass, apply_pass in inplace.PASSES if config.gated_mlp.backward_in_place else ():
                 try:
                     plan = plan_pass(graph)
                 except Exception as error:
@@ -75,7 +76,7 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
 
         def uuid(self) -> Any:
             prev = previous.uuid() if previous is not None and hasattr(previous, "uuid") else None
-            return ("fuser", _SOURCE_DIGEST, repr(config), inplace.GATED_BACKWARD_IN_PLACE, prev)
+            return ("fuser", _SOURCE_DIGEST, repr(config), prev)
 
     return FuserPostGrad()
 

@@ -147,13 +147,13 @@ def test_failure_compiling_the_rewritten_graph_falls_back(monkeypatch):
     assert backend.counts == {}
 
 
-def test_cache_key_carries_fuser_source_config_and_switch(monkeypatch):
+def test_cache_key_carries_fuser_source_config_and_switch():
     a = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(), {}).uuid()
     b = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(strict=True), {}).uuid()
     assert a != b
     assert fuser.dynamo_backend._SOURCE_DIGEST in repr(a)
-    monkeypatch.setattr(fuser.engine.inplace, "GATED_BACKWARD_IN_PLACE", False)
-    assert fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(), {}).uuid() != a
+    off = fuser.FuserConfig(gated_mlp={"backward_in_place": False})
+    assert fuser.dynamo_backend._post_grad_pass(off, {}).uuid() != a
 
 
 def test_explain_report_table_names_source_lines():

@@ -26,7 +26,8 @@ into it instead (same rounding as the ``add``), at the ``add``'s place: two such
 Inductor orders the earlier reads of a mutated tensor before the mutating kernel (its scheduler tracks mutations
 of fallback kernels' arguments), the same mechanism its own re-inplacing of ``auto_functionalized`` relies on.
 
-``GATED_BACKWARD_IN_PLACE = False`` switches both rewrites off (it is part of fuser's Inductor cache key).
+``FuserConfig.gated_mlp.backward_in_place=False`` (``options={"gated_mlp": {"backward_in_place": False}}``)
+switches both rewrites off: the backend then runs none of :data:`PASSES`.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ import torch.fx
 import fuser.kernels.gated_activation  # noqa: F401  (registers the fuser:: gated ops)
 
 log = logging.getLogger("fuser")
-
-GATED_BACKWARD_IN_PLACE = True
 
 _META_ONLY = {
     torch.ops.aten.sym_size.int,

@@ -11,7 +11,7 @@ plain pointwise code; as the output of a fused op it cannot.
 
 The matmuls are PyTorch's (``torch.mm``), as eager's; the result is bit for bit eager's ``F.linear`` backward
 given the same product. ``fuser.patterns.gated_mlp`` puts the op in place of such a linear after the rewrite
-(``RECOMPUTE_FOR_DOWN_WEIGHT``).
+(unless ``FuserConfig.gated_mlp.recompute_for_down_weight`` is off).
 """
 
 from __future__ import annotations

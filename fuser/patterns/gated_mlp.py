@@ -14,13 +14,19 @@ GPT-2's ``gelu_new`` written as a tanh formula, un-gated MLPs; and declined when
 anywhere else, or the product feeds anything but a projection. A custom ``torch.autograd.Function`` counts as a
 projection when its forward multiplies the product by a matrix: under QLoRA the down projection is bitsandbytes'
 ``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
+
+Two refinements after the rewrite, each switched by :class:`GatedMLPConfig` (``FuserConfig.gated_mlp``,
+``options={"gated_mlp": {...}}``, for both swiglu and geglu): a trainable down projection fed the fused product
+recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it, and Inductor's post-grad
+graphs write the gated backward's gradients over its inputs where nobody can observe it (``fuser.engine.inplace``).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +34,30 @@ import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.
 from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, scalar_arg, scalar_hint
+from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
+
+
+@dataclass(frozen=True)
+class GatedMLPConfig:
+    """What the gated MLP's fused op (swiglu, geglu) does beyond the forward it replaces.
+
+    recompute_for_down_weight:  a trainable down projection fed the fused product becomes ``fuser::linear_gated``,
+                                whose backward recomputes the product for its weight gradient instead of saving it
+                                (one ``[tokens, intermediate]`` activation per layer fewer; default ``True``).
+    backward_in_place:          Inductor's post-grad graphs write the gated backward's dgate and dup over gate and
+                                up, and add the down adapter's dx into the base projection's gradient, where
+                                nothing reads them after (``fuser.engine.inplace``; default ``True``).
+    """
+
+    recompute_for_down_weight: bool = True
+    backward_in_place: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "gated_mlp")
 
 
 def _maybe_lora(name: str) -> OneOf:
@@ -278,18 +307,13 @@ def plain_gated_product(x: Any) -> tuple | None:
     return gate, up, gate_scale, up_scale, activation
 
 
-# after the rewrite: a trainable down projection fed the fused product recomputes it for its weight gradient
-# (fuser/kernels/linear_gated.py) instead of saving it; False keeps the plain linear
-RECOMPUTE_FOR_DOWN_WEIGHT = True
-
-
-def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]) -> int:
+def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activations: frozenset[str]) -> int:
     """``linear(x, W, b)`` with ``x = gated_activation(gate, up, None, None, ..., activation)[0]`` (``activation``
     one of ``activations``: each pattern refines its own ops) and ``W`` trainable → ``linear_gated(x, gate, up, W,
-    b, ...)``; returns how many. Not for a frozen ``W`` (LoRA's base: nothing saves
-    ``x`` for it), nor when the gated op absorbed LoRA sums (it then saves the sums), nor under autocast (``x``
-    and ``W`` of different dtypes)."""
-    if not RECOMPUTE_FOR_DOWN_WEIGHT:
+    b, ...)`` (fuser/kernels/linear_gated.py), unless ``config.gated_mlp.recompute_for_down_weight`` is off;
+    returns how many. Not for a frozen ``W`` (LoRA's base: nothing saves ``x`` for it), nor when the gated op
+    absorbed LoRA sums (it then saves the sums), nor under autocast (``x`` and ``W`` of different dtypes)."""
+    if not config.gated_mlp.recompute_for_down_weight:
         return 0
     import fuser.kernels.linear_gated  # noqa: F401  (registers torch.ops.fuser.linear_gated)
 
@@ -324,14 +348,16 @@ def recompute_for_down_weight(graph: torch.fx.Graph, activations: frozenset[str]
 SWIGLU = Pattern(
     "swiglu",
     _variants(_silu),
-    lambda found, variant: _check(found, variant, "silu"),
+    lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
+    takes_config=True,
 )
 GEGLU = Pattern(
     "geglu",
     _variants(_gelu),
-    lambda found, variant: _check(found, variant, "gelu"),
+    lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
+    takes_config=True,
 )

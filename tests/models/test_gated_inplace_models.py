@@ -20,6 +20,10 @@ pytest.importorskip("peft")
 
 INDUCTOR = fuser.FuserConfig(strict=True)  # the default inner compiler
 INDUCTOR_LENIENT = fuser.FuserConfig()
+# the same with the passes switched off, by name as a trainer's options= would
+NOT_IN_PLACE = {"gated_mlp": {"backward_in_place": False}}
+INDUCTOR_OFF = fuser.FuserConfig.from_options({"strict": True, **NOT_IN_PLACE})
+INDUCTOR_LENIENT_OFF = fuser.FuserConfig.from_options(NOT_IN_PLACE)
 
 
 @pytest.fixture(autouse=True)
@@ -34,16 +38,14 @@ def checkpointed(model):
     return model.train()
 
 
-def step_with_and_without_the_pass(make, monkeypatch):
+def step_with_and_without_the_pass(make):
     """((loss, grads) with the pass, the same without it, what the pass rewrote in the first run)."""
     backend = fuser.backend(INDUCTOR)
     on = lora_step(make(), INDUCTOR)
     counts = dict(backend.post_grad_counts)
     torch._dynamo.reset()
-    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
-    backend.post_grad_counts.clear()
-    off = lora_step(make(), INDUCTOR)
-    assert backend.post_grad_counts == {}
+    off = lora_step(make(), INDUCTOR_OFF)
+    assert fuser.backend(INDUCTOR_OFF).post_grad_counts == {}
     return on, off, counts
 
 
@@ -54,15 +56,15 @@ def assert_same_step(on, off):
         assert torch.equal(g[name], g_off[name]), name
 
 
-def test_checkpointed_lora_llama_one_per_layer_step_unchanged(monkeypatch):
-    on, off, counts = step_with_and_without_the_pass(lambda: checkpointed(lora_model()), monkeypatch)
+def test_checkpointed_lora_llama_one_per_layer_step_unchanged():
+    on, off, counts = step_with_and_without_the_pass(lambda: checkpointed(lora_model()))
     assert counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": N_LAYERS}
     assert_same_step(on, off)
 
 
-def test_not_without_checkpointing(monkeypatch):
+def test_not_without_checkpointing():
     # gate and up are saved for the backward: graph inputs of the backward graph, which autograd owns
-    on, off, counts = step_with_and_without_the_pass(lora_model, monkeypatch)
+    on, off, counts = step_with_and_without_the_pass(lora_model)
     assert counts["gated_backward_in_place"] == 0 and counts["gated_dx_accumulated"] == N_LAYERS
     assert_same_step(on, off)
 
@@ -84,7 +86,7 @@ def test_checkpointed_full_fine_tune_equals_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_checkpointed_lora_llama_step_unchanged(monkeypatch):
+def test_gpu_checkpointed_lora_llama_step_unchanged():
     """On CUDA the rewritten ops take their Triton paths (the gated backward kernel writing over its inputs, the
     dx kernel adding into the base gradient in its epilogue): the bf16 step equals the one without the passes."""
     make = lambda: checkpointed(lora_model().cuda())  # noqa: E731
@@ -100,8 +102,8 @@ def test_gpu_checkpointed_lora_llama_step_unchanged(monkeypatch):
     on = step(INDUCTOR)
     assert backend.post_grad_counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": N_LAYERS}
     torch._dynamo.reset()
-    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
-    off = step(INDUCTOR)
+    off = step(INDUCTOR_OFF)
+    assert fuser.backend(INDUCTOR_OFF).post_grad_counts == {}
     assert_same_step(on, off)
 
 
@@ -118,8 +120,7 @@ def test_a_failing_pass_leaves_the_graph_and_warns(monkeypatch):
         loss, g = lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT)
     assert fuser.backend(INDUCTOR_LENIENT).post_grad_counts == {}
     torch._dynamo.reset()
-    monkeypatch.setattr(inplace, "GATED_BACKWARD_IN_PLACE", False)
-    assert_same_step((loss, g), lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT))
+    assert_same_step((loss, g), lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT_OFF))
 
 
 def test_a_failing_pass_raises_under_strict(monkeypatch):

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 import fuser
 import fuser.kernels.linear_gated  # noqa: F401  (registers the ops)
-import fuser.patterns.gated_mlp as gated_pattern
 from tests.models.tiny import N_LAYERS, batch, build_any, grads, lora_model, lora_step, saved_wide_tensors, small_llama
 
 AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+NO_RECOMPUTE = {"gated_mlp": {"recompute_for_down_weight": False}}
+AOT_NO_RECOMPUTE = fuser.FuserConfig.from_options({"strict": True, "inner_compiler": "aot_eager", **NO_RECOMPUTE})
 
 
 def refined(config, since: int = 0) -> dict[str, int]:
@@ -34,15 +35,13 @@ def full_step(arch, dtype, config):
 
 @pytest.mark.parametrize(("arch", "pattern"), [("llama", "swiglu"), ("gemma", "geglu")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(arch, pattern, dtype, monkeypatch):
+def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(arch, pattern, dtype):
     since = len(fuser.backend(AOT).results)
     loss, g = full_step(arch, dtype, AOT)
     assert refined(AOT, since) == {pattern: N_LAYERS}
     torch._dynamo.reset()
-    monkeypatch.setattr(gated_pattern, "RECOMPUTE_FOR_DOWN_WEIGHT", False)
-    since = len(fuser.backend(AOT).results)
-    loss_off, g_off = full_step(arch, dtype, AOT)
-    assert refined(AOT, since) == {}
+    loss_off, g_off = full_step(arch, dtype, AOT_NO_RECOMPUTE)
+    assert fuser.backend(AOT_NO_RECOMPUTE).results and refined(AOT_NO_RECOMPUTE) == {}
     assert torch.equal(loss, loss_off) and g.keys() == g_off.keys()
     for name in g:
         assert torch.equal(g[name], g_off[name]), name
@@ -85,8 +84,8 @@ def test_opcheck():
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
-def test_the_product_is_no_longer_saved(recompute, monkeypatch):
-    monkeypatch.setattr(gated_pattern, "RECOMPUTE_FOR_DOWN_WEIGHT", recompute)
-    wide = saved_wide_tensors(small_llama(96).train(), 96)
+def test_the_product_is_no_longer_saved(recompute):
+    config = fuser.FuserConfig(gated_mlp={"recompute_for_down_weight": recompute})
+    wide = saved_wide_tensors(small_llama(96).train(), 96, config)
     # gate and up (for the gated op's backward), and without the refinement the product too
     assert len(wide) == (2 if recompute else 3) * 2, wide

@@ -243,14 +243,17 @@ def load_saved_activations():
     return load_benchmark("saved_activations")
 
 
-def saved_wide_tensors(model: torch.nn.Module, width: int) -> list[tuple[int, ...]]:
-    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns,
-    Inductor's partitioner) saves for the backward: ``benchmarks/saved_activations.py``'s count."""
+def saved_wide_tensors(model: torch.nn.Module, width: int, config=None) -> list[tuple[int, ...]]:
+    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns with the
+    options of ``config``, default ``FuserConfig()``; Inductor's partitioner) saves for the backward:
+    ``benchmarks/saved_activations.py``'s count."""
     import fuser
 
     ids = torch.randint(0, 128, (2, 8))
     patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
-    saved = load_saved_activations().saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns)
+    saved = load_saved_activations().saved_for_backward(
+        model, (), {"input_ids": ids, "labels": ids}, patterns, config=config
+    )
     return [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == width]
 
 
