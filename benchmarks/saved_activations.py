@@ -1,11 +1,11 @@
 """Bytes a training step saves for the backward, per decoder layer and token, as Inductor's partitioner chooses
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
-(``upcast_linear.RECOMPUTE_GATED_INPUT``), fuser; or (``--job llama32-1b-full``) a Llama-3.2-1B layer under full
-fine-tuning: torch.compile, fuser without the down projection's recompute
+(``options={"upcast_linear": {"recompute_gated_input": False}}``), fuser; or (``--job llama32-1b-full``) a
+Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without the down projection's recompute
 (``options={"gated_mlp": {"recompute_for_down_weight": False}}``), fuser; each job also with causal_attention's
-grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``). Runs on a CPU (the partition depends on
-the graph, not on the device); 1 and 2 layers at batch 2×64, the difference is one layer.
+grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``). Runs on a CPU (the partition depends
+on the graph, not on the device); 1 and 2 layers at batch 2×64, the difference is one layer.
 
     python benchmarks/saved_activations.py [--job llama3-8b-lora | llama32-1b-full] [--out FILE]
 """
@@ -25,7 +25,6 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import fuser.patterns.upcast_linear as upcast_pattern
 from fuser.config import FuserConfig
 from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
@@ -109,16 +108,13 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
     model.train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
-    upcast_pattern.RECOMPUTE_GATED_INPUT = mode != MODES[2]
-    producers: list[str] = []
     fuser_config = FuserConfig(
+        upcast_linear={"recompute_gated_input": mode != MODES[2]},
         gated_mlp={"recompute_for_down_weight": mode != FULL_MODES[1]},
         causal_attention={"gqa_fold": mode == GQA},
     )
-    try:
-        saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers, fuser_config)
-    finally:
-        upcast_pattern.RECOMPUTE_GATED_INPUT = True
+    producers: list[str] = []
+    saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers, fuser_config)
     return [(op, dtype, shape) for op, (dtype, shape) in zip(producers, saved, strict=True)]
 
 

@@ -10,10 +10,11 @@ from fuser.options import build as build_options
 from fuser.patterns import PATTERNS
 from fuser.patterns.causal_attention import CausalAttentionConfig
 from fuser.patterns.gated_mlp import GatedMLPConfig
+from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
-__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig", "GatedMLPConfig"]
+__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig", "GatedMLPConfig", "UpcastLinearConfig"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class FuserConfig:
     causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
     gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
                            for swiglu and geglu.
+    upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True)``; ``triton``
+                           also switches lora_sum's kernels, which are the same.
 
     e.g. ``FuserConfig(causal_attention={"runtime_check": True})``, or by name from a trainer:
     ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
@@ -47,6 +50,7 @@ class FuserConfig:
     strict: bool = False
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
+    upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:

@@ -224,7 +224,7 @@ def apply_gated_dx(graph: torch.fx.Graph, plan: list) -> int:
             acc = graph.call_function(
                 torch.ops.fuser.upcast_linear_gated_grads_acc_.default,
                 (other, *[args[k] for k in ("dy", "gate", "up", "weight", "gate_scale", "up_scale", "activation")],
-                 args["need_w"]),
+                 args["need_w"], args["allow_triton"]),
             )  # fmt: skip
         acc.meta["val"] = node.meta["val"][1]
         add.replace_all_uses_with(other)

@@ -17,10 +17,11 @@ This op computes the same values from the same inputs, in one kernel each way:
     dB     = s · (gᵀ @ a)
 
 With the Triton path (``fuser.kernels.upcast_linear``'s kernels and launch configurations: ≤ 64-rank fp32
-adapters, a half ``base``, on a GPU or through the interpreter; ``FUSER_UPCAST_LINEAR_TRITON=0`` switches it off)
-nothing of size ``[tokens, out]`` is written in fp32. Elsewhere it computes exactly what the graph computed (the
-reference path). It saves ``a`` and ``B`` (what eager saves). Eager multiplies ``g`` by ``s`` before its two
-matmuls; the kernels multiply the fp32 sums by ``s`` after them: the same value within fp32 rounding.
+adapters, a half ``base``, on a GPU or through the interpreter; the ops' ``allow_triton=False`` switches it off,
+and the pattern passes ``FuserConfig.upcast_linear.triton``, the switch of the kernels it shares) nothing of size
+``[tokens, out]`` is written in fp32. Elsewhere it computes exactly what the graph computed (the reference path).
+It saves ``a`` and ``B`` (what eager saves). Eager multiplies ``g`` by ``s`` before its two matmuls; the kernels
+multiply the fp32 sums by ``s`` after them: the same value within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def triton_path(
-    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, base_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
+    base: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    base_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
+    allow_triton: bool = True,
 ) -> bool:
-    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs. The gradients'
-    kernels read ``g`` (in ``base``'s place) in its own dtype, at fp32 accuracy: half or fp32."""
+    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs and
+    ``allow_triton``. The gradients' kernels read ``g`` (in ``base``'s place) in its own dtype, at fp32 accuracy:
+    half or fp32."""
     return (
-        U.triton_enabled(base)
+        U.triton_enabled(base, allow_triton)
         and weight.dtype == torch.float32
         and a.dtype == torch.float32
         and base.dtype in base_dtypes
@@ -83,12 +89,14 @@ def lora_sum_op(
     scale: float,
     round_term: bool = False,
     out_dtype: torch.dtype | None = None,
+    allow_triton: bool = True,
 ) -> torch.Tensor:
     """``out_dtype`` (not with ``round_term``): the sum's dtype instead of the base's: fp32 where the sum feeds a
-    residual add that rounds once (``(h + sum).to(bf16)``), as Inductor computes peft's cast fused into the add."""
+    residual add that rounds once (``(h + sum).to(bf16)``), as Inductor computes peft's cast fused into the add.
+    ``allow_triton``: whether the Triton kernels may run (forward and backward)."""
     _check(base, a, weight)
     dtype = base.dtype if out_dtype is None else out_dtype
-    if triton_path(base, a, weight):
+    if triton_path(base, a, weight, allow_triton=allow_triton):
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
         rows = U._rows(base).contiguous()
         return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
@@ -96,18 +104,24 @@ def lora_sum_op(
 
 
 @lora_sum_op.register_fake
-def _(base, a, weight, scale, round_term=False, out_dtype=None):
+def _(base, a, weight, scale, round_term=False, out_dtype=None, allow_triton=True):
     return torch.empty_like(base, dtype=base.dtype if out_dtype is None else out_dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum_grads", mutates_args=())
 def lora_sum_grads(
-    g: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, need_a: bool, need_w: bool
+    g: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+    need_a: bool,
+    need_w: bool,
+    allow_triton: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(da in a's dtype, dB in B's dtype), each 0-element where not asked for; ``g`` is read in its own dtype
     (half, or fp32 where the consumer's backward kept it unrounded)."""
     da, dw = a.new_empty(0), weight.new_empty(0)
-    if triton_path(g, a, weight, base_dtypes=(*HALF_DTYPES, torch.float32)):
+    if triton_path(g, a, weight, base_dtypes=(*HALF_DTYPES, torch.float32), allow_triton=allow_triton):
         if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
             da = U._forward_triton(g, weight.t()).mul_(scale)
         if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
@@ -122,16 +136,17 @@ def lora_sum_grads(
 
 
 @lora_sum_grads.register_fake
-def _(g, a, weight, scale, need_a, need_w):
+def _(g, a, weight, scale, need_a, need_w, allow_triton=True):
     da = a.new_empty(a.shape) if need_a else a.new_empty(0)
     return da, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, allow_triton_at: int = 6):
     base, a, weight, scale = inputs[:4]  # round_term is absent from ``inputs`` when left at its default
     ctx.save_for_backward(a, weight)
     ctx.scale = scale
     ctx.base_dtype = base.dtype
+    ctx.allow_triton = inputs[allow_triton_at] if len(inputs) > allow_triton_at else True
     ctx.n_inputs = len(inputs)
 
 
@@ -143,7 +158,7 @@ def _backward(ctx, g):
     need_base, need_a, need_w = ctx.needs_input_grad[:3]
     da = dw = None
     if need_a or need_w:
-        da, dw = torch.ops.fuser.lora_sum_grads(g, a, weight, ctx.scale, need_a, need_w)
+        da, dw = torch.ops.fuser.lora_sum_grads(g, a, weight, ctx.scale, need_a, need_w, ctx.allow_triton)
     dbase = g.to(ctx.base_dtype) if need_base else None
     return dbase, (da if need_a else None), (dw if need_w else None), *[None] * (ctx.n_inputs - 3)
 
@@ -160,7 +175,7 @@ lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("fuser::lora_sum_wide", mutates_args=())
 def lora_sum_wide_op(
-    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, allow_triton: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, wide)``: ``out`` is ``fuser::lora_sum``'s (the rounded sum, the differentiable result), ``wide`` the
     same sum before its rounding, in fp32 (differentiable too: its gradient is added to ``out``'s, in fp32).
@@ -171,7 +186,7 @@ def lora_sum_wide_op(
     value. A gated activation fed this op computes its product from ``wide`` the same way, and saves ``out``.
     """
     _check(base, a, weight)
-    if triton_path(base, a, weight):
+    if triton_path(base, a, weight, allow_triton=allow_triton):
         rows = U._rows(base).contiguous()
         wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
         out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
@@ -181,12 +196,12 @@ def lora_sum_wide_op(
 
 
 @lora_sum_wide_op.register_fake
-def _(base, a, weight, scale):
+def _(base, a, weight, scale, allow_triton=True):
     return torch.empty_like(base), torch.empty_like(base, dtype=torch.float32)
 
 
 def _setup_context_wide(ctx, inputs, output):
-    _setup_context(ctx, inputs, output)
+    _setup_context(ctx, inputs, output, allow_triton_at=4)
     ctx.set_materialize_grads(False)
 
 
@@ -201,9 +216,16 @@ lora_sum_wide_op.register_autograd(_backward_wide, setup_context=_setup_context_
 
 
 def lora_sum(
-    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float = 1.0, *, round_term: bool = False
+    base: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float = 1.0,
+    *,
+    round_term: bool = False,
+    allow_triton: bool = True,
 ) -> torch.Tensor:
     """``(base + F.linear(a, weight) * scale).to(base.dtype)``: peft's LoRA output, fused (see the module doc).
     ``round_term=True``: ``base + (F.linear(a, weight) * scale).to(base.dtype)``, the order of peft's
-    bitsandbytes (QLoRA) layers; the gradients are the same functions of ``g``."""
-    return torch.ops.fuser.lora_sum(base, a, weight, float(scale), round_term)
+    bitsandbytes (QLoRA) layers; the gradients are the same functions of ``g``. ``allow_triton=False``: the
+    reference path (cuBLAS's fp32 matmuls) where the Triton kernels would run."""
+    return torch.ops.fuser.lora_sum(base, a, weight, float(scale), round_term, allow_triton=allow_triton)

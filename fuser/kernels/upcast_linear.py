@@ -15,18 +15,17 @@ the backward casts it again, transiently:
 
 A LoRA ``lora_A`` has few outputs (the rank, 8–64), and its three fp32 matmuls run on cuBLAS's CUDA-core kernels
 (no TF32): 0.12–0.57 ms each at 8192 tokens on the H200, where reading ``x`` once takes 14–49 µs. So on a GPU,
-weights of at most 64 rows take Triton kernels instead (``FUSER_UPCAST_LINEAR_TRITON=0`` switches them off): they
-read ``x`` in its own dtype (no fp32 copy is written, not even transiently), their dots run on the tensor cores as
-``tf32x3`` (fp32 accuracy: see ``CONFIGS``), and ``dx`` is rounded to ``x``'s dtype in the kernel. The weight
-gradient is summed over the rows in fixed row blocks, partial sums added in a fixed order (deterministic).
+weights of at most 64 rows take Triton kernels instead (the ops' ``allow_triton=False`` switches them off; the
+pattern passes ``FuserConfig.upcast_linear.triton``): they read ``x`` in its own dtype (no fp32 copy is written,
+not even transiently), their dots run on the tensor cores as ``tf32x3`` (fp32 accuracy: see ``CONFIGS``), and
+``dx`` is rounded to ``x``'s dtype in the kernel. The weight gradient is summed over the rows in fixed row blocks,
+partial sums added in a fixed order (deterministic).
 Measured (``benchmarks/results/tune_upcast_linear_h200_2026-11-30.md``): 3–5× faster than cuBLAS's fp32 path,
 with a smaller error against fp64; Llama-3-8B LoRA training step 13,183 tok/s without this rewrite, 12,088 with it
 on cuBLAS, 13,945 with these kernels (``train_step_llama3-8b-lora_h200_2026-11-30.md``).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +130,15 @@ if HAS_TRITON:
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-def triton_enabled(x: torch.Tensor) -> bool:
-    """Triton runs for ``x`` (a GPU, or the interpreter) and ``FUSER_UPCAST_LINEAR_TRITON=0`` is not set."""
-    return os.environ.get("FUSER_UPCAST_LINEAR_TRITON", "1") == "1" and use_triton(x)
+def triton_enabled(x: torch.Tensor, allow_triton: bool = True) -> bool:
+    """Triton runs for ``x`` (a GPU, or the interpreter) and the op's ``allow_triton`` did not switch it off."""
+    return allow_triton and use_triton(x)
 
 
-def triton_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The Triton kernels: not switched off (``FUSER_UPCAST_LINEAR_TRITON=0``), a narrow fp32 weight, a half input."""
+def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True) -> bool:
+    """The Triton kernels: not switched off (``allow_triton=False``), a narrow fp32 weight, a half input."""
     return (
-        triton_enabled(x)
+        triton_enabled(x, allow_triton)
         and weight.dtype == torch.float32
         and x.dtype in HALF_DTYPES
         and 0 < weight.shape[0] <= TRITON_MAX_OUT
@@ -257,17 +256,23 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return partial[:, :n_out].sum(0)
 
 
-def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, allow_triton: bool
+) -> torch.Tensor:
     _check(x, weight, bias)
-    if triton_path(x, weight):
+    if triton_path(x, weight, allow_triton):
         y = _forward_triton(x, weight)
         return y + bias if bias is not None else y
     return F.linear(x.to(weight.dtype), weight, bias)
 
 
 @torch.library.custom_op("fuser::upcast_linear", mutates_args=())
-def upcast_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _upcast_linear(x, weight, bias)
+def upcast_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, allow_triton: bool = True
+) -> torch.Tensor:
+    """``allow_triton``: whether the Triton kernels may run (where they do: a GPU, or the interpreter), forward and
+    backward; ``False`` keeps cuBLAS's fp32 matmuls."""
+    return _upcast_linear(x, weight, bias, allow_triton)
 
 
 def _fake_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -275,22 +280,24 @@ def _fake_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @upcast_linear_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, allow_triton=True):
     return _fake_out(x, weight)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias = inputs
+    x, weight, bias = inputs[:3]
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
+    ctx.allow_triton = inputs[3] if len(inputs) > 3 else True  # absent when left at its default
+    ctx.n_inputs = len(inputs)
 
 
 @torch.library.custom_op("fuser::upcast_linear_grads", mutates_args=())
 def upcast_linear_grads(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool, allow_triton: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dW in W's dtype), each 0-element where not asked for."""
-    fast = triton_path(x, weight)
+    fast = triton_path(x, weight, allow_triton)
     dx, dw = x.new_empty(0), weight.new_empty(0)
     if need_x:
         dx = _dx_triton(dy, weight, x.dtype) if fast else (dy @ weight).to(x.dtype)
@@ -301,19 +308,19 @@ def upcast_linear_grads(
 
 
 @upcast_linear_grads.register_fake
-def _(dy, x, weight, need_x, need_w):
+def _(dy, x, weight, need_x, need_w, allow_triton=True):
     dx = x.new_empty(x.shape) if need_x else x.new_empty(0)
     return dx, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
 
 
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
     dx = dw = None
     if need_x or need_w:
-        dx, dw = torch.ops.fuser.upcast_linear_grads(dy, x, weight, need_x, need_w)
+        dx, dw = torch.ops.fuser.upcast_linear_grads(dy, x, weight, need_x, need_w, ctx.allow_triton)
     db = _bias_grad(dy) if need_b and ctx.has_bias else None
-    return (dx if need_x else None), (dw if need_w else None), db
+    return (dx if need_x else None), (dw if need_w else None), db, *[None] * (ctx.n_inputs - 3)
 
 
 def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
@@ -338,24 +345,27 @@ def upcast_linear_gated_op(
     gate_scale: float,
     up_scale: float,
     activation: str,
+    allow_triton: bool = True,
 ) -> torch.Tensor:
-    """``upcast_linear(x, weight, bias)`` where ``x`` is ``fuser::gated_activation(gate, up, None, None, gate_scale,
-    up_scale, activation)[0]`` (peft's LoRA A of a gated MLP's down projection): the backward saves gate and up
-    (which the gated op's backward saves anyway) instead of ``x``, and recomputes ``x`` with that same op, so the
-    weight gradient reads the very values the forward used."""
-    return _upcast_linear(x, weight, bias)
+    """``upcast_linear(x, weight, bias, allow_triton)`` where ``x`` is ``fuser::gated_activation(gate, up, None, None,
+    gate_scale, up_scale, activation)[0]`` (peft's LoRA A of a gated MLP's down projection): the backward saves
+    gate and up (which the gated op's backward saves anyway) instead of ``x``, and recomputes ``x`` with that same
+    op, so the weight gradient reads the very values the forward used."""
+    return _upcast_linear(x, weight, bias, allow_triton)
 
 
 @upcast_linear_gated_op.register_fake
-def _(x, gate, up, weight, bias, gate_scale, up_scale, activation):
+def _(x, gate, up, weight, bias, gate_scale, up_scale, activation, allow_triton=True):
     return _fake_out(x, weight)
 
 
 def _gated_setup_context(ctx, inputs, output):
-    x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs
+    x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs[:8]
     ctx.save_for_backward(gate, up, weight)
     ctx.gated = (gate_scale, up_scale, activation)
     ctx.has_bias = bias is not None
+    ctx.allow_triton = inputs[8] if len(inputs) > 8 else True  # absent when left at its default
+    ctx.n_inputs = len(inputs)
 
 
 @torch.library.custom_op("fuser::upcast_linear_gated_grads", mutates_args=())
@@ -369,12 +379,13 @@ def upcast_linear_gated_grads(
     activation: str,
     need_x: bool,
     need_w: bool,
+    allow_triton: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``upcast_linear_grads`` with x recomputed from gate and up here (where dW needs it), by the gated op's own
     forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
-    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) if need_w else None
-    dx = upcast_linear_grads(dy, gate, weight, True, False)[0] if need_x else gate.new_empty(0)
+    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None
+    dx = upcast_linear_grads(dy, gate, weight, True, False, allow_triton)[0] if need_x else gate.new_empty(0)
     return dx, dw if dw is not None else weight.new_empty(0)
 
 
@@ -384,7 +395,7 @@ def upcast_linear_gated_grads(
 GATED_RECOMPUTE_BYTES = 64 << 20
 
 
-def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) -> torch.Tensor:
+def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) -> torch.Tensor:
     """dW = dyᵀ @ x with x = the gated product, recomputed slice by slice of rows (fp32 partial sums added in
     order: deterministic)."""
     n_cols = gate.shape[-1]
@@ -394,12 +405,12 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) -
     step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
     if n_rows <= step:
         x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
-        return upcast_linear_grads(dy, x, weight, False, True)[1]
+        return upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
     dw = None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], None, None, gate_scale, up_scale, activation)[0]
-        part = upcast_linear_grads(dy2[rows], x, weight, False, True)[1]
+        part = upcast_linear_grads(dy2[rows], x, weight, False, True, allow_triton)[1]
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw
@@ -416,6 +427,7 @@ def upcast_linear_gated_grads_acc_(
     up_scale: float,
     activation: str,
     need_w: bool,
+    allow_triton: bool = True,
 ) -> torch.Tensor:
     """``upcast_linear_gated_grads`` whose dx is added into ``dx_acc`` (``dx_acc += dx``, rounded as
     ``dx_acc + dx`` in dx_acc's dtype would be) instead of returned: returns dW (empty unless ``need_w``).
@@ -423,8 +435,8 @@ def upcast_linear_gated_grads_acc_(
     Never called by autograd: a post-grad pass (:mod:`fuser.engine.inplace`) puts it in place of
     ``upcast_linear_gated_grads`` + the ``add`` that sums its dx with the base projection's, when nothing reads
     the base's gradient afterwards; one ``[tokens, intermediate]`` buffer fewer at the peak."""
-    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation) if need_w else None
-    if triton_path(gate, weight) and dx_acc.is_contiguous() and dx_acc.dtype == gate.dtype:
+    dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None
+    if triton_path(gate, weight, allow_triton) and dx_acc.is_contiguous() and dx_acc.dtype == gate.dtype:
         _dx_triton(dy, weight, gate.dtype, base=dx_acc, round_term=True, out=dx_acc)
     else:
         dx_acc.add_((dy @ weight).to(gate.dtype))
@@ -432,12 +444,12 @@ def upcast_linear_gated_grads_acc_(
 
 
 @upcast_linear_gated_grads_acc_.register_fake
-def _(dx_acc, dy, gate, up, weight, gate_scale, up_scale, activation, need_w):
+def _(dx_acc, dy, gate, up, weight, gate_scale, up_scale, activation, need_w, allow_triton=True):
     return weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
 
 
 @upcast_linear_gated_grads.register_fake
-def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w):
+def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w, allow_triton=True):
     dx = gate.new_empty(gate.shape) if need_x else gate.new_empty(0)
     return dx, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
 
@@ -447,14 +459,18 @@ def _gated_backward(ctx, dy):
     need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
     dx = dw = None
     if need_x or need_w:
-        dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, weight, *ctx.gated, need_x, need_w)
+        dx, dw = torch.ops.fuser.upcast_linear_gated_grads(dy, gate, up, weight, *ctx.gated, need_x, need_w,
+                                                           ctx.allow_triton)  # fmt: skip
     db = _bias_grad(dy) if need_b and ctx.has_bias else None
-    return (dx if need_x else None), None, None, (dw if need_w else None), db, None, None, None
+    return (dx if need_x else None), None, None, (dw if need_w else None), db, *[None] * (ctx.n_inputs - 5)
 
 
 upcast_linear_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup_context)
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x.to(weight.dtype), weight, bias)``, saving ``x`` (not its upcast copy) for the backward."""
-    return torch.ops.fuser.upcast_linear(x, weight, bias)
+def upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, allow_triton: bool = True
+) -> torch.Tensor:
+    """``F.linear(x.to(weight.dtype), weight, bias)``, saving ``x`` (not its upcast copy) for the backward.
+    ``allow_triton=False``: cuBLAS's fp32 matmuls where the Triton kernels would run (see the module docstring)."""
+    return torch.ops.fuser.upcast_linear(x, weight, bias, allow_triton)

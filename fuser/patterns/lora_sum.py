@@ -88,7 +88,7 @@ def _split_wide(graph: torch.fx.Graph, node: torch.fx.Node) -> tuple[torch.fx.No
     rounded one takes every use of ``node``."""
     base, a, w, scale = node.args[:4]
     with graph.inserting_before(node):
-        pair = graph.call_function(torch.ops.fuser.lora_sum_wide.default, (base, a, w, scale))
+        pair = graph.call_function(torch.ops.fuser.lora_sum_wide.default, (base, a, w, scale), dict(node.kwargs))
         narrow = graph.call_function(operator.getitem, (pair, 0))
         wide = graph.call_function(operator.getitem, (pair, 1))
     example = node.meta.get("example_value")

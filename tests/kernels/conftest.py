@@ -14,7 +14,6 @@ def triton_path(monkeypatch, triton_on_cpu):
     every buffer its kernels write starts as NaN (an element a kernel skips cannot pass for a value), and the
     list returned records which of its launchers ran."""
     triton_on_cpu()
-    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     monkeypatch.setattr(U, "_alloc", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
     launched = []
     for name in ("_forward_triton", "_dx_triton", "_dw_triton"):

@@ -144,11 +144,10 @@ def test_gpu_triton_path_at_lora_shapes(dtype, rank, n_out, monkeypatch):
     g = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype)
     exact, dbase, da, dw = fp64_reference(base, a, w, 2.0, g)
     for flag in ("1", "0"):
-        monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", flag)
-        assert module.triton_path(base, a, w) == (flag == "1")
+        assert module.triton_path(base, a, w, allow_triton=flag == "1") == (flag == "1")
         for t in (base, a, w):
             t.grad = None
-        out = lora_sum(base, a, w, 2.0)
+        out = lora_sum(base, a, w, 2.0, allow_triton=flag == "1")
         out.backward(g)
         assert torch.equal(base.grad, g)
         within_one_rounding(out, exact, base, a, w, 2.0)
@@ -200,10 +199,8 @@ def test_gpu_round_term_at_a_lora_shape(dtype, monkeypatch):
     base = torch.randn(8192, 4096, device="cuda", generator=gen).to(dtype)
     a = torch.randn(8192, 16, device="cuda", generator=gen)
     w = 0.02 * torch.randn(4096, 16, device="cuda", generator=gen)
-    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "0")
-    expected = lora_sum(base, a, w, 2.0, round_term=True)
+    expected = lora_sum(base, a, w, 2.0, round_term=True, allow_triton=False)
     term = (F.linear(a, w) * 2.0).abs()
-    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
     out = lora_sum(base, a, w, 2.0, round_term=True)
     eps = torch.finfo(dtype).eps
     assert ((out.float() - expected.float()).abs() <= (term + expected.float().abs()) * eps + 1e-30).all()

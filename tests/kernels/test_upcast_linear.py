@@ -231,15 +231,12 @@ def test_triton_kernels_are_deterministic(gen, triton_path):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(monkeypatch, triton_on_cpu):
-    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
+def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(triton_on_cpu):
     x = torch.randn(4, 8).half()
     assert not module.triton_path(x, torch.randn(16, 8))  # CPU tensors: the reference, unless asked
     triton_on_cpu()
     assert module.triton_path(x, torch.randn(16, 8)) == (HAS_TRITON and interpreting())
-    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "0")
-    assert not module.triton_path(x, torch.randn(16, 8))  # switched off
-    monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", "1")
+    assert not module.triton_path(x, torch.randn(16, 8), allow_triton=False)  # switched off
     assert not module.triton_path(x, torch.randn(65, 8))  # wider than a LoRA rank
     assert not module.triton_path(x.float(), torch.randn(16, 8))  # nothing to upcast
 
@@ -247,18 +244,17 @@ def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n_in, n_out", [(4096, 16), (14336, 16), (4096, 64), (4096, 8)], ids=str)
-def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
+def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out):
     """The Triton kernels on the GPU (the default; tf32x3 dots) at Llama-3-8B LoRA-A shapes, 8192 rows, against
-    fp64, and cuBLAS's fp32 path (``FUSER_UPCAST_LINEAR_TRITON=0``) to the same bounds (dx: one bf16/fp16 rounding)."""
+    fp64, and cuBLAS's fp32 path (``allow_triton=False``) to the same bounds (dx: one bf16/fp16 rounding)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 2048, n_in, device="cuda", generator=gen).to(dtype).requires_grad_()
     w = (0.02 * torch.randn(n_out, n_in, device="cuda", generator=gen)).requires_grad_()
     dy = torch.randn(4, 2048, n_out, device="cuda", generator=gen)
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("FUSER_UPCAST_LINEAR_TRITON", flag)
+    for flag in (False, True):
         x.grad = w.grad = None
-        out = upcast_linear(x, w)
+        out = upcast_linear(x, w, allow_triton=flag)
         out.backward(dy)
         results[flag] = (out.double(), x.grad.double(), w.grad.double())
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -267,7 +263,7 @@ def test_gpu_triton_path_at_lora_shapes(dtype, n_in, n_out, monkeypatch):
     for flag, (out, dx, dw) in results.items():
         for name, got, want, tol in (("y", out, ref, 1e-5), ("dW", dw, w64.grad, 1e-5), ("dx", dx, x64.grad, 4e-3)):
             err = ((got - want).norm() / want.norm()).item()
-            assert err < tol, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
+            assert err < tol, f"allow_triton={flag}: {name} relative error {err:.2e}"
 
 
 TRITON_OR_REFERENCE = ["reference", pytest.param("triton", marks=pytest.mark.skipif(

@@ -70,7 +70,6 @@ def test_triton_path_through_the_interpreter_as_close_to_fp32_as_eager_fp16(monk
     """Every fused op's Triton kernels (lora_sum's and upcast_linear's included), fp16 (the interpreter's bf16
     arithmetic is broken)."""
     triton_on_cpu()
-    monkeypatch.delenv("FUSER_UPCAST_LINEAR_TRITON", raising=False)
     import fuser.kernels.upcast_linear as U
 
     launched = []

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import fuser
-import fuser.patterns.upcast_linear as upcast_pattern
 from tests.models.tiny import N_LAYERS, lora_model, lora_step, rel, saved_wide_tensors, small_llama
 
 peft = pytest.importorskip("peft")
 
 AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+NO_RECOMPUTE = {"upcast_linear": {"recompute_gated_input": False}}
+AOT_NO_RECOMPUTE = fuser.FuserConfig.from_options({"strict": True, "inner_compiler": "aot_eager", **NO_RECOMPUTE})
 
 
 def refined(config, since: int = 0) -> dict[str, int]:
@@ -34,7 +35,7 @@ def checkpointed_lora_model():
 
 
 @pytest.mark.parametrize("build", [lora_model, checkpointed_lora_model], ids=["plain", "gradient checkpointing"])
-def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build, monkeypatch):
+def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build):
     """One per layer (under checkpointing: inside the layers' nested graphs), and the training step is what it is
     without the refinement: bit for bit, except the down adapter's LoRA A gradient. The forward's product comes
     from the unrounded gate/up LoRA sums (lora_sum_wide, issue 16), the recompute from the rounded ones it saves:
@@ -46,10 +47,8 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build, monkeypatch)
     # o and down sums stay fp32 into their residual adds, the q and k sums into RoPE
     assert refined(AOT, since) == {"upcast_linear": N_LAYERS, "lora_sum": 6 * N_LAYERS}
     torch._dynamo.reset()
-    monkeypatch.setattr(upcast_pattern, "RECOMPUTE_GATED_INPUT", False)
-    since = len(fuser.backend(AOT).results)
-    loss_off, grads_off = lora_step(build(), AOT)
-    assert refined(AOT, since) == {"lora_sum": 6 * N_LAYERS}
+    loss_off, grads_off = lora_step(build(), AOT_NO_RECOMPUTE)
+    assert refined(AOT_NO_RECOMPUTE) == {"lora_sum": 6 * N_LAYERS}
     assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
     for name, g in grads.items():
         if "down_proj.lora_A" in name:
@@ -71,9 +70,9 @@ def test_not_when_the_gated_op_absorbed_the_lora_sums():
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
-def test_the_product_is_no_longer_saved(recompute, monkeypatch):
-    monkeypatch.setattr(upcast_pattern, "RECOMPUTE_GATED_INPUT", recompute)
+def test_the_product_is_no_longer_saved(recompute):
+    config = fuser.FuserConfig(upcast_linear={"recompute_gated_input": recompute})
     lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    wide = saved_wide_tensors(peft.get_peft_model(small_llama(96), lora).train(), 96)
+    wide = saved_wide_tensors(peft.get_peft_model(small_llama(96), lora).train(), 96, config)
     # gate and up (for the gated op's backward), and without the refinement the product too
     assert len(wide) == (2 if recompute else 3) * 2, wide
