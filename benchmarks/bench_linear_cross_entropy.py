@@ -12,7 +12,7 @@ labels uniform with 5% set to -100):
   gradients None), minus the returned gradients dh and dW in bf16: what the implementation needs beyond its
   inputs and outputs. fuser's fp32 weight-gradient accumulator (V·H·4 bytes, alive during the forward) is
   shown on its own row: ``fuser`` (the default) accumulates dW in the weight's dtype, ``fuser (fp32 dW acc)`` in
-  fp32; ``fuser (Triton dW)`` accumulates it with ``FUSER_LCE_DW_KERNEL=triton`` (the running sum's tile read
+  fp32; ``fuser (Triton dW)`` accumulates it with ``dw_kernel="triton"`` (the running sum's tile read
   before the matmul, not after) instead of cuBLAS's ``addmm_``;
 - floor: 6·T·H·V FLOPs at the bf16 matmul rate measured in the same run (a 8192³ ``torch.mm``).
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import os
 import shlex
 import statistics
 import sys
@@ -71,19 +70,13 @@ def make_impls(only: list[str] | None = None) -> dict:
     except ImportError as e:
         print(f"cut-cross-entropy not available: {e}", flush=True)
 
-    def fuser_with(acc, streams="1", dw_kernel="cublas"):
-        def run(h, w, labels):
-            os.environ["FUSER_LCE_DW_ACCUMULATOR"] = acc
-            os.environ["FUSER_LCE_STREAMS"] = streams
-            os.environ["FUSER_LCE_DW_KERNEL"] = dw_kernel
-            return fuser.linear_cross_entropy(h, w, labels)
+    def fuser_with(**options):  # FuserConfig.linear_cross_entropy's fields, as the op's arguments
+        return lambda h, w, labels: fuser.linear_cross_entropy(h, w, labels, **options)
 
-        return run
-
-    impls["fuser"] = fuser_with("input")
-    impls["fuser (Triton dW)"] = fuser_with("input", dw_kernel="triton")
-    impls["fuser (one stream)"] = fuser_with("input", streams="0")
-    impls["fuser (fp32 dW acc)"] = fuser_with("fp32")
+    impls["fuser"] = fuser_with()
+    impls["fuser (Triton dW)"] = fuser_with(dw_kernel="triton")
+    impls["fuser (one stream)"] = fuser_with(streams=False)
+    impls["fuser (fp32 dW acc)"] = fuser_with(dw_accumulator="fp32")
     if only:
         impls = {name: fn for name, fn in impls.items() if name in only}
     return impls
@@ -266,10 +259,7 @@ def tiny_model_step(lines):
         num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     batch, seq = 4, 2048
-    # fuser's defaults: the impls above leave their FUSER_LCE_* choices in the environment (until this fix the last
-    # one's fp32 dW accumulator, 128256 × 512 × 4 B = 250 MiB, was in fuser's peak here)
-    for name in ("FUSER_LCE_DW_ACCUMULATOR", "FUSER_LCE_STREAMS", "FUSER_LCE_DW_KERNEL"):
-        os.environ.pop(name, None)
+    # fuser's defaults (FuserConfig().linear_cross_entropy): the weight's dtype accumulates dW
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
     logits_bytes = batch * seq * cfg.vocab_size * (2 + 4)
     results = {}

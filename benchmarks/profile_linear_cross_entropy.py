@@ -4,7 +4,7 @@ and a torch.profiler kernel table of the whole op. A tool for choosing the imple
 Per shape (bf16, rows per chunk as ``chunk_rows`` gives): the logits matmul, the Triton loss+gradient kernel
 (launch configurations swept), the dhidden matmul (plain, and split over the vocabulary into S batched matmuls
 with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32 and into a fresh buffer, and
-fuser's Triton dweight kernel (``FUSER_LCE_DW_KERNEL=triton``) at the tile configurations of ``DW_CONFIGS``.
+fuser's Triton dweight kernel (``dw_kernel="triton"``) at the tile configurations of ``DW_CONFIGS``.
 
     python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
 """

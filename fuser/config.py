@@ -10,11 +10,19 @@ from fuser.options import build as build_options
 from fuser.patterns import PATTERNS
 from fuser.patterns.causal_attention import CausalAttentionConfig
 from fuser.patterns.gated_mlp import GatedMLPConfig
+from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
 from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
-__all__ = ["INNER_COMPILERS", "CausalAttentionConfig", "FuserConfig", "GatedMLPConfig", "UpcastLinearConfig"]
+__all__ = [
+    "INNER_COMPILERS",
+    "CausalAttentionConfig",
+    "FuserConfig",
+    "GatedMLPConfig",
+    "LinearCrossEntropyConfig",
+    "UpcastLinearConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -34,13 +42,15 @@ class FuserConfig:
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
     out keep their defaults:
 
+    linear_cross_entropy:  :class:`LinearCrossEntropyConfig` ``(dw_kernel="cublas", dw_accumulator="input",
+                           streams=True)``: how the fused loss accumulates the lm_head's weight gradient.
     causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
     gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
                            for swiglu and geglu.
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True)``; ``triton``
                            also switches lora_sum's kernels, which are the same.
 
-    e.g. ``FuserConfig(causal_attention={"runtime_check": True})``, or by name from a trainer:
+    e.g. ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
     ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
     """
 
@@ -48,6 +58,7 @@ class FuserConfig:
     inner_compiler: str = "inductor"
     keep_logits: bool = False
     strict: bool = False
+    linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
     upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
@@ -84,7 +95,7 @@ class FuserConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> FuserConfig:
         """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config's fields; a pattern's
-        options are a nested dict (``{"causal_attention": {"gqa_fold": True}}``)."""
+        options are a nested dict (``{"linear_cross_entropy": {"dw_kernel": "triton"}}``)."""
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"fuser: options must be a dict of FuserConfig fields, got {type(options).__name__}")
         options = dict(options or {})

@@ -23,16 +23,20 @@ forward (as Liger-Kernel does) rather than by recomputing the logits in the back
 instead of 6. The backward only multiplies them by ``grad_output`` (eagerly: in place, in a Triton kernel that skips
 the pass when ``grad_output`` is 1, decided on the device). No host synchronisation: ``n_valid`` stays on the device.
 
-The weight gradient is accumulated over the chunks in the weight's dtype (``FUSER_LCE_DW_ACCUMULATOR=input``, the
-default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``=fp32``: one extra ``[V, H]``
+The weight gradient is accumulated over the chunks in the weight's dtype (``dw_accumulator="input"``, the
+default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``"fp32"``: one extra ``[V, H]``
 fp32 buffer during the forward). Measured on the H200 at 8192×2304×256000 (bf16, 26 chunks), the bf16 running
 sum's dW error against fp32 was 2.3e-3 vs 2.2e-3 with the fp32 accumulator, which cost 20 ms more
-(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``). ``FUSER_LCE_DW_KERNEL=triton`` adds each chunk's
+(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``). ``dw_kernel="triton"`` adds each chunk's
 share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as cuBLAS's
 ``addmm_`` does (half-precision accumulator only). Measured on the H200 (21:08 UTC, 10 tile configurations,
 ``benchmarks/results/profile_linear_cross_entropy_dweight_h200_2026-11-30.md``) it is slower than cuBLAS at every
 shape: 1.64 / 2.64 / 2.71 ms per chunk at best against ``addmm_``'s 1.24 / 1.79 / 1.90 (whole op 64.8 vs 54.0 ms
-at 8192×2304×256000), so it stays off; kept as a measured alternative.
+at 8192×2304×256000), so it stays off; kept as a measured alternative. With ``streams=True`` (the default) the
+weight gradient's accumulation runs on a second CUDA stream, beside the ``dhidden`` matmul.
+
+These three are arguments of the op (and keywords of :func:`linear_cross_entropy`); the ``linear_cross_entropy``
+pattern passes ``FuserConfig.linear_cross_entropy``'s values.
 
 Labels outside ``[0, V)`` that are not ``ignore_index``: on CPU the op raises what ``F.cross_entropy`` raises
 there (``IndexError: Target 256 is out of bounds.``), after a host check of the labels. On a GPU it does not
@@ -44,7 +48,7 @@ outside the row (the label's gather is masked).
 from __future__ import annotations
 
 import contextlib
-import os
+from typing import Literal, get_args
 
 import torch
 
@@ -57,7 +61,11 @@ REDUCTIONS = ("mean", "sum")
 # gradient fewer: 55.3 → 54.9, 43.5 → 41.3, 103.5 → 100.5 ms on the H200
 # (benchmarks/results/linear_cross_entropy_budget_h200_2026-11-30.md)
 LOGITS_BUDGET_BYTES = 252 << 20
-_ACCUMULATORS = ("fp32", "input")
+# how the weight gradient's running sum over the chunks is kept, and which kernel adds each chunk's share to it
+DwAccumulator = Literal["input", "fp32"]
+DwKernel = Literal["cublas", "triton"]
+DW_ACCUMULATORS: tuple[str, ...] = get_args(DwAccumulator)
+DW_KERNELS: tuple[str, ...] = get_args(DwKernel)
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None) -> int:
@@ -78,17 +86,21 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None
     return min(most, -(-even // 8) * 8)
 
 
-def dweight_accumulator(weight: torch.Tensor) -> str:
-    """``FUSER_LCE_DW_ACCUMULATOR`` (``input`` by default | ``fp32``); fp32 weights always accumulate in fp32."""
-    choice = os.environ.get("FUSER_LCE_DW_ACCUMULATOR", "input")
-    if choice not in _ACCUMULATORS:
-        raise ValueError(f"fuser: FUSER_LCE_DW_ACCUMULATOR must be one of {_ACCUMULATORS}, got {choice!r}")
+def dweight_accumulator(weight: torch.Tensor, choice: str = "input") -> str:
+    """The accumulator ``choice`` (``"input"``: the weight's dtype, the default | ``"fp32"``) takes for ``weight``:
+    an fp32 weight accumulates in fp32 either way (``"input"``)."""
     return choice if weight.dtype in (torch.float16, torch.bfloat16) else "input"
 
 
-def _check(hidden, weight, bias, labels, reduction) -> None:
+def _check(hidden, weight, bias, labels, reduction, dw_kernel="cublas", dw_accumulator="input") -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"fuser: linear_cross_entropy reduction must be 'mean' or 'sum', got {reduction!r}")
+    if dw_kernel not in DW_KERNELS:
+        raise ValueError(f"fuser: linear_cross_entropy dw_kernel must be one of {DW_KERNELS}, got {dw_kernel!r}")
+    if dw_accumulator not in DW_ACCUMULATORS:
+        raise ValueError(
+            f"fuser: linear_cross_entropy dw_accumulator must be one of {DW_ACCUMULATORS}, got {dw_accumulator!r}"
+        )
     check_floating("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -309,12 +321,10 @@ DWEIGHT_CONFIG = {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 32, "GROUP_V": 8, "
 _CPU_DWEIGHT_CONFIG = {"BLOCK_V": 16, "BLOCK_H": 16, "BLOCK_R": 16, "GROUP_V": 2}
 
 
-def dweight_kernel_enabled(dw_acc: torch.Tensor, g_t: torch.Tensor) -> bool:
-    """``FUSER_LCE_DW_KERNEL=triton``: the weight gradient's running sum in half precision goes through
-    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``cublas``, the default: faster on the H200)."""
-    choice = os.environ.get("FUSER_LCE_DW_KERNEL", "cublas")
-    if choice not in ("cublas", "triton"):
-        raise ValueError(f"fuser: FUSER_LCE_DW_KERNEL must be 'cublas' or 'triton', got {choice!r}")
+def dweight_kernel_enabled(dw_acc: torch.Tensor, g_t: torch.Tensor, choice: str = "cublas") -> bool:
+    """With ``choice="triton"`` the weight gradient's running sum in half precision goes through
+    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``"cublas"``, the default: faster on the H200) where
+    Triton runs; an fp32 running sum stays on cuBLAS."""
     return choice == "triton" and dw_acc.dtype == g_t.dtype and g_t.dtype in HALF_DTYPES and use_triton(g_t)
 
 
@@ -374,9 +384,9 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A second CUDA stream for the weight-gradient matmul (``FUSER_LCE_STREAMS=0`` turns it off)."""
-    if device.type != "cuda" or os.environ.get("FUSER_LCE_STREAMS", "1") == "0":
+def _side_stream(device: torch.device, enabled: bool = True) -> torch.cuda.Stream | None:
+    """A second CUDA stream for the weight-gradient matmul (``enabled=False``, the op's ``streams=False``: none)."""
+    if device.type != "cuda" or not enabled:
         return None
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
@@ -415,6 +425,9 @@ def _forward_chunked(
     grad_weight: bool,
     grad_bias: bool,
     triton_path: bool,
+    dw_kernel: str = "cublas",
+    dw_accumulator: str = "input",
+    streams: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
@@ -429,7 +442,7 @@ def _forward_chunked(
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
     write_grad = grad_hidden or grad_weight or grad_bias
     dh = torch.empty_like(h2) if grad_hidden else h2.new_empty(0)
-    accumulator = dweight_accumulator(weight)
+    accumulator = dweight_accumulator(weight, dw_accumulator)
     dw_acc = None
     if grad_weight:
         # the first chunk writes it (no zero fill, no read of zeros); the later ones add to it
@@ -438,12 +451,12 @@ def _forward_chunked(
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=h2.device) if grad_bias else None
     rows = chunk_rows(n_rows, vocab, h2.element_size())
     buffer = torch.empty(min(rows, n_rows), vocab, dtype=h2.dtype, device=h2.device)
-    dw_kernel = grad_weight and dweight_kernel_enabled(dw_acc, buffer)
+    triton_dw = grad_weight and dweight_kernel_enabled(dw_acc, buffer, dw_kernel)
     weight_t = weight.t()
     # dhidden and dweight both only read a chunk's gradient: with a side stream the weight gradient's memory-bound
     # accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk waits for both
     # before it overwrites the buffer
-    side = _side_stream(h2.device) if grad_weight and grad_hidden else None
+    side = _side_stream(h2.device, streams) if grad_weight and grad_hidden else None
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         h_c, logits = h2[start:end], buffer[: end - start]
@@ -461,7 +474,7 @@ def _forward_chunked(
             side.wait_stream(torch.cuda.current_stream(h2.device))
         if grad_weight:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=dw_kernel)
+                _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=triton_dw)
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start:end])
         if side is not None:
@@ -500,18 +513,24 @@ def linear_cross_entropy_op(
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
+    dw_kernel: str = "cublas",
+    dw_accumulator: str = "input",
+    streams: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dhidden, dweight, dbias, grad_scale): the gradients for grad_output = 1 once multiplied by the fp32
-    0-dim ``grad_scale`` (1, except for fp16: 1/n_valid under "mean"), 0-element where not asked for."""
-    _check(hidden, weight, bias, labels, reduction)
+    0-dim ``grad_scale`` (1, except for fp16: 1/n_valid under "mean"), 0-element where not asked for.
+    ``dw_kernel``, ``dw_accumulator``, ``streams``: how the weight gradient is accumulated (module docstring)."""
+    _check(hidden, weight, bias, labels, reduction, dw_kernel, dw_accumulator)
     _check_label_range(labels, weight.shape[0], ignore_index)
     triton_path = use_triton(hidden) and triton_supports(hidden)
     return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
-                            grad_hidden, grad_weight, grad_bias and bias is not None, triton_path)  # fmt: skip
+                            grad_hidden, grad_weight, grad_bias and bias is not None, triton_path, dw_kernel,
+                            dw_accumulator, streams)  # fmt: skip
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap, grad_hidden, grad_weight, grad_bias):
+def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap, grad_hidden, grad_weight, grad_bias,
+      dw_kernel="cublas", dw_accumulator="input", streams=True):  # fmt: skip
     return (
         hidden.new_empty((), dtype=torch.float32),
         hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
@@ -532,6 +551,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(dh, dw, db, grad_scale)
     ctx.flags = inputs[8:11]
     ctx.has_bias = inputs[2] is not None
+    ctx.n_inputs = len(inputs)  # the weight-gradient choices may be absent when left at their defaults
     ctx.mark_non_differentiable(dh, dw, db, grad_scale)
     ctx.set_materialize_grads(False)
 
@@ -547,8 +567,9 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
             raise RuntimeError(
                 f"fuser: linear_cross_entropy was called with grad_{name}=False but autograd asks for its gradient"
             )
+    rest = (None,) * (ctx.n_inputs - 3)  # no gradient for labels and the scalar arguments
     if dloss is None:
-        return (None,) * 11
+        return (None,) * ctx.n_inputs
     dloss = dloss * grad_scale
 
     grads = ((dh, needs[0]), (dw, needs[1]), (db, needs[2]))
@@ -562,10 +583,10 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
                 _scale_inplace(g, dloss)
         elif wanted:
             torch._foreach_mul_(wanted, dloss)
-        return *(g if need else None for g, need in grads), *(None,) * 8
+        return *(g if need else None for g, need in grads), *rest
     # Traced (AOT autograd: functional tensor subclasses): out of place, as AOT rejects mutating a saved tensor in
     # backward; Inductor reuses the saved buffer anyway. A 0-dim fp32 grad_output: computed in fp32, rounded once.
-    return *(g * dloss if need else None for g, need in grads), *(None,) * 8
+    return *(g * dloss if need else None for g, need in grads), *rest
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -582,13 +603,18 @@ def linear_cross_entropy(
     logit_scale: float | None = None,
     softcap: float | None = None,
     num_items_in_batch: torch.Tensor | float | int | None = None,
+    dw_kernel: DwKernel = "cublas",
+    dw_accumulator: DwAccumulator = "input",
+    streams: bool = True,
 ) -> torch.Tensor:
     """``cross_entropy(softcap(logit_scale · (hidden @ weight.T + bias)).float(), labels)`` without the logits.
 
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``labels`` one integer per row of ``hidden`` (already
     shifted for causal LM). ``num_items_in_batch`` (gradient accumulation, as transformers passes it) gives
     ``sum / num_items_in_batch`` and overrides ``reduction``. The loss is fp32; gradients reach hidden, weight
-    and bias through autograd (the weight's is skipped when it does not require grad).
+    and bias through autograd (the weight's is skipped when it does not require grad). ``dw_kernel``,
+    ``dw_accumulator`` and ``streams`` choose how the weight gradient is accumulated (see the module docstring;
+    the defaults are the measured best on the H200).
     """
     if num_items_in_batch is not None:
         reduction = "sum"
@@ -605,6 +631,9 @@ def linear_cross_entropy(
         grad and hidden.requires_grad,
         grad and weight.requires_grad,
         grad and bias is not None and bias.requires_grad,
+        dw_kernel,
+        dw_accumulator,
+        streams,
     )[0]
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch

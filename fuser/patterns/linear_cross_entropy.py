@@ -28,6 +28,9 @@ is taken from the graph: the op's ``logit_scale``/``softcap`` argument is that n
 
 Under autocast the linear runs in a lower precision than its fp32 operands: the op gets them cast to that dtype
 (custom ops see no autocast), as eager's linear does.
+
+How the op accumulates the weight gradient is :class:`LinearCrossEntropyConfig` (``FuserConfig.linear_cross_entropy``,
+``options={"linear_cross_entropy": {...}}``), passed to the op as its keyword arguments of those names.
 """
 
 from __future__ import annotations
@@ -38,15 +41,37 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import fuser.kernels.linear_cross_entropy  # noqa: F401  (registers torch.ops.fuser.linear_cross_entropy)
 from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, same_scalar, scalar_hint
+from fuser.kernels.linear_cross_entropy import DwAccumulator, DwKernel  # importing it registers the op
+from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
 
 Node = torch.fx.Node
+
+
+@dataclass(frozen=True)
+class LinearCrossEntropyConfig:
+    """How the fused lm_head + cross-entropy forms the weight gradient (``fuser/kernels/linear_cross_entropy.py``).
+
+    dw_kernel:       what adds each chunk's share to the running sum: ``"cublas"`` (``addmm_``, default: faster on
+                     the H200) or ``"triton"`` (fuser's own kernel, half-precision sums only; kept as a measured
+                     alternative).
+    dw_accumulator:  the running sum's dtype: ``"input"`` (the weight's, default: no extra memory) or ``"fp32"``
+                     (one extra ``[vocab, hidden]`` fp32 buffer, one rounding at the end).
+    streams:         accumulate the weight gradient on a second CUDA stream, beside the ``dhidden`` matmul
+                     (default ``True``).
+    """
+
+    dw_kernel: DwKernel = "cublas"
+    dw_accumulator: DwAccumulator = "input"
+    streams: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "linear_cross_entropy")
 
 
 def _constant(name: str) -> OneOf:
@@ -238,6 +263,7 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
 
     # autocast ran the linear in a lower precision than its operands: the op gets them in that dtype
     compute = logits_t.dtype
+    options = config.linear_cross_entropy
     return Replacement(
         torch.ops.fuser.linear_cross_entropy.default,
         (
@@ -253,6 +279,7 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
             grad_weight,
             grad_bias,
         ),
+        {"dw_kernel": options.dw_kernel, "dw_accumulator": options.dw_accumulator, "streams": options.streams},
         output_index=0,  # (loss, dhidden, dweight, dbias)
         dropped_outputs=tuple(dict.fromkeys(returned)),
     )

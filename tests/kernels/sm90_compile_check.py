@@ -8,7 +8,8 @@ Triton's launcher specializes (16-byte-aligned tensors and ints divisible by 16 
 to 1 become constexprs): without that, loads neither vectorise nor pipeline, and the shared memory reported is one
 stage's, not a launch's (a 3-stage 128×128×64 bf16 matmul: 32 KiB unspecialized, 96 KiB as launched). Three shims stand
 in for what a CPU-only torch lacks: tensor indexing (Python's ``t[...]`` takes a CUDA device guard) goes through
-the equivalent aten ops, the SM count is the H200's (132), and lm_head+CE runs without its side stream. Autograd
+the equivalent aten ops, the SM count is the H200's (132), and lm_head+CE runs without its side stream (the op's
+``streams=False``). Autograd
 cannot run on fake CUDA tensors, so the backward ops are called directly. Run as a script without
 ``TRITON_INTERPRET``; prints one JSON line: kernel signature and constexprs → "ok" or the error, and each
 scenario whose wrapper failed after (or before) its launches: some torch ops on fake CUDA tensors need a CUDA
@@ -19,29 +20,27 @@ kernel of ``fuser/kernels`` was compiled, in bf16 among others.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["FUSER_LCE_STREAMS"] = "0"  # no CUDA streams here
+import torch
+import triton
+from torch._library.custom_ops import CustomOpDef
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from torch._library.custom_ops import CustomOpDef  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-import fuser.kernels._triton as T  # noqa: E402
-import fuser.kernels.gated_activation as G  # noqa: E402
-import fuser.kernels.linear_cross_entropy as L  # noqa: E402
-import fuser.kernels.lora_sum as LS  # noqa: E402
-import fuser.kernels.rms_norm as R  # noqa: E402
-import fuser.kernels.rope as P  # noqa: E402
-import fuser.kernels.upcast_linear as U  # noqa: E402
+import fuser.kernels._triton as T
+import fuser.kernels.gated_activation as G
+import fuser.kernels.linear_cross_entropy as L
+import fuser.kernels.lora_sum as LS
+import fuser.kernels.rms_norm as R
+import fuser.kernels.rope as P
+import fuser.kernels.upcast_linear as U
 
 H200_SMS = 132
+NO_STREAMS = False  # lm_head+CE's ``streams``: a CPU-only torch has no CUDA streams
 H200_SHARED_PER_BLOCK = 232448  # bytes: sharedMemPerBlockOptin of sm_90
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
@@ -171,10 +170,10 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             g, u, None, None, 1.0, 1.0, "silu", lora, lora
         ),  # fmt: skip
         "linear_cross_entropy": lambda: ops["linear_cross_entropy_op"](
-            h, vocab_w, None, labels, -100, "mean", 1.0, 0.0, True, True, False
+            h, vocab_w, None, labels, -100, "mean", 1.0, 0.0, True, True, False, "cublas", "input", NO_STREAMS
         ),
         "linear_cross_entropy, softcap, scale": lambda: ops["linear_cross_entropy_op"](
-            h, vocab_w, None, labels, -100, "sum", 0.5, 30.0, True, True, False
+            h, vocab_w, None, labels, -100, "sum", 0.5, 30.0, True, True, False, "cublas", "input", NO_STREAMS
         ),
         "linear_cross_entropy, Triton dW kernel, two chunks": lambda: lce_with_triton_dweight(
             ops["linear_cross_entropy_op"], h, vocab_w, labels
@@ -208,15 +207,13 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
 
 
 def lce_with_triton_dweight(op, h, w, labels) -> None:
-    """lm_head+CE with ``FUSER_LCE_DW_KERNEL=triton`` and chunks of half the rows: both kernel variants."""
+    """lm_head+CE with ``dw_kernel="triton"`` and chunks of half the rows: both kernel variants."""
     saved = L.LOGITS_BUDGET_BYTES
-    os.environ["FUSER_LCE_DW_KERNEL"] = "triton"
     L.LOGITS_BUDGET_BYTES = h.shape[0] // 2 * w.shape[0] * h.element_size()
     try:
-        op(h, w, None, labels, -100, "mean", 1.0, 0.0, True, True, False)
+        op(h, w, None, labels, -100, "mean", 1.0, 0.0, True, True, False, "triton", "input", NO_STREAMS)
     finally:
         L.LOGITS_BUDGET_BYTES = saved
-        del os.environ["FUSER_LCE_DW_KERNEL"]
 
 
 def main() -> None:

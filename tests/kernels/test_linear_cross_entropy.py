@@ -447,7 +447,6 @@ def test_scale_inplace_kernel(dtype, gen, triton_on_cpu):
 
 @pytest.mark.parametrize("accumulator", ["fp32", "input"])
 def test_dweight_accumulators(accumulator, path, gen, monkeypatch):
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", accumulator)
     fp32_adds = []
     real = lce_module._accumulate_fp32
     monkeypatch.setattr(
@@ -457,7 +456,7 @@ def test_dweight_accumulators(accumulator, path, gen, monkeypatch):
     n_rows = 130  # chunks of 48, 48, 34
     h, w, b = make_inputs((n_rows,), 64, 257, torch.float16, gen, bias=True)
     labels = make_labels(n_rows, 257, gen, n_ignored=12)
-    loss, grads = run_fuser(h, w, b, labels)
+    loss, grads = run_fuser(h, w, b, labels, dw_accumulator=accumulator)
     path.check([48, 48, 34])
     n_chunks = 3
     # the fp32 accumulator adds every chunk's share into an fp32 buffer; "input" accumulates in fp16 in place
@@ -471,22 +470,20 @@ def test_dweight_accumulators(accumulator, path, gen, monkeypatch):
     assert grads[1].dtype == torch.float16
 
 
-def test_dweight_accumulator_choice(monkeypatch):
+def test_dweight_accumulator_choice():
     w16, w32 = torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 2)
-    monkeypatch.delenv("FUSER_LCE_DW_ACCUMULATOR", raising=False)
     assert lce_module.dweight_accumulator(w16) == "input"  # default: the weight's dtype (measured: accurate enough)
     assert lce_module.dweight_accumulator(torch.zeros(2, 2, dtype=torch.bfloat16)) == "input"
     assert lce_module.dweight_accumulator(w32) == "input"  # fp32 weights accumulate in fp32 either way
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", "fp32")
-    assert lce_module.dweight_accumulator(w16) == "fp32"
-    assert lce_module.dweight_accumulator(w32) == "input"
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", "bf16")
-    with pytest.raises(ValueError, match="FUSER_LCE_DW_ACCUMULATOR must be one of"):
-        lce_module.dweight_accumulator(w16)
+    assert lce_module.dweight_accumulator(w16, "fp32") == "fp32"
+    assert lce_module.dweight_accumulator(w32, "fp32") == "input"
+    h, labels = torch.zeros(4, 2, dtype=torch.float16), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="dw_accumulator must be one of"):
+        linear_cross_entropy(h, w16, labels, dw_accumulator="bf16")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The weight gradient's Triton kernel (FUSER_LCE_DW_KERNEL=triton; cuBLAS's addmm_ by default)
+# The weight gradient's Triton kernel (dw_kernel="triton"; cuBLAS's addmm_ by default)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -514,18 +511,17 @@ def test_dweight_kernel_matches_fp64(n_rows, vocab, hidden, first, gen, triton_o
     assert ((dw.float() - cublas.float()).abs() <= cublas.float().abs() * 2 * U16 + 2.0**-24).all()
 
 
-def test_dweight_kernel_choice(monkeypatch, triton_on_cpu):
+def test_dweight_kernel_choice(triton_on_cpu):
     g16, w16, w32 = torch.zeros(4, 2, dtype=torch.float16), torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 2)
     triton_on_cpu()
-    monkeypatch.delenv("FUSER_LCE_DW_KERNEL", raising=False)
     assert not lce_module.dweight_kernel_enabled(w16, g16.t())  # default: cuBLAS
-    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
-    assert lce_module.dweight_kernel_enabled(w16, g16.t()) == (HAS_TRITON and interpreting())
-    assert not lce_module.dweight_kernel_enabled(w32, g16.t())  # an fp32 accumulator stays on cuBLAS
-    assert not lce_module.dweight_kernel_enabled(w32, g16.float().t())  # fp32 weights too
-    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="FUSER_LCE_DW_KERNEL must be"):
-        lce_module.dweight_kernel_enabled(w16, g16.t())
+    assert lce_module.dweight_kernel_enabled(w16, g16.t(), "triton") == (HAS_TRITON and interpreting())
+    assert not lce_module.dweight_kernel_enabled(w32, g16.t(), "triton")  # an fp32 accumulator stays on cuBLAS
+    assert not lce_module.dweight_kernel_enabled(w32, g16.float().t(), "triton")  # fp32 weights too
+    triton_on_cpu(False)
+    assert not lce_module.dweight_kernel_enabled(w16, g16.t(), "triton")  # only where Triton runs
+    with pytest.raises(ValueError, match="dw_kernel must be one of"):
+        linear_cross_entropy(g16, w16, torch.zeros(4, dtype=torch.long), dw_kernel="cutlass")
 
 
 @interpreter
@@ -537,15 +533,13 @@ def test_dweight_kernel_in_the_op(gen, monkeypatch, triton_on_cpu):
     n_rows = 130  # chunks of 48, 48, 34
     h, w, _ = make_inputs((n_rows,), 64, 257, torch.float16, gen)
     labels = make_labels(n_rows, 257, gen, n_ignored=12)
-    monkeypatch.delenv("FUSER_LCE_DW_KERNEL", raising=False)
     ref_loss, ref_grads = run_fuser(h, w, None, labels, (True, True, False))
     launched = []
     real = lce_module._launch_dweight
     monkeypatch.setattr(
         lce_module, "_launch_dweight", lambda dw, g_t, h_c, first: launched.append(first) or real(dw, g_t, h_c, first)
     )
-    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
-    loss, grads = run_fuser(h, w, None, labels, (True, True, False))
+    loss, grads = run_fuser(h, w, None, labels, (True, True, False), dw_kernel="triton")
     assert launched == [True, False, False]
     assert torch.equal(loss, ref_loss) and torch.equal(grads[0], ref_grads[0])  # the rest of the op is unchanged
     dw, ref_dw = grads[1].float(), ref_grads[1].float()
@@ -820,13 +814,12 @@ def run_gpu_fuser(h, w, labels, monkeypatch, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", list(GPU_SHAPES.values()), ids=list(GPU_SHAPES))
 def test_gpu_matches_fp32_reference(shape, dtype, softcap, gen, no_tf32, monkeypatch):
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", "fp32")
     h, w, labels = gpu_inputs(shape, dtype, gen)
     # fp16 with "mean" over 4096 rows puts c·(softmax − onehot) ~ 1/(T·V) below fp16's normal range (6e-5), in
     # eager too (CPU, 4096 × 64 × 32000: dhidden 1.9e-2 for both): fp16's range, not the op. "sum" keeps G in range
     # for the fixed tolerances; "mean" is covered against eager by the CPU tests.
     kw = {"softcap": softcap, "reduction": "sum" if dtype == torch.float16 else "mean"}
-    loss, (dh, dw, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    loss, (dh, dw, _) = run_gpu_fuser(h, w, labels, monkeypatch, dw_accumulator="fp32", **kw)
     assert dh.dtype == dw.dtype == dtype
     ref_loss, ref_grads = run_model(h, w, None, labels, torch.float32, torch.float32, (True, True, False), **kw)
     tol_loss, tol_dh, tol_dw = GPU_TOL[dtype]
@@ -845,8 +838,7 @@ def test_gpu_matches_fp32_reference(shape, dtype, softcap, gen, no_tf32, monkeyp
         eager_err = rel_err(eager, ref)
         assert err <= EAGER_FACTOR * eager_err + 1e-6, f"{name}: fuser {err:.3e} vs eager {eager_err:.3e}"
     # the "input" accumulator (one rounding of the running dweight per chunk): reported, not asserted
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", "input")
-    _, (_, dw_input, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    _, (_, dw_input, _) = run_gpu_fuser(h, w, labels, monkeypatch, dw_accumulator="input", **kw)
     print(f"{shape} {dtype} {kw} input accumulator: dW {rel_err(dw_input, ref_grads[1]):.2e}")
 
 
@@ -856,10 +848,9 @@ def test_gpu_matches_fp32_reference(shape, dtype, softcap, gen, no_tf32, monkeyp
 def test_gpu_is_deterministic(dtype, accumulator, gen, monkeypatch):
     """Deterministic by default: without torch's deterministic mode (the NaN-fill fixture turns it on)."""
     torch.use_deterministic_algorithms(False)
-    monkeypatch.setenv("FUSER_LCE_DW_ACCUMULATOR", accumulator)
     h, w, labels = gpu_inputs(GPU_SHAPES["llama2_vocab"], dtype, gen)
-    first = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0)
-    second = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0)
+    first = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0, dw_accumulator=accumulator)
+    second = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0, dw_accumulator=accumulator)
     assert torch.equal(first[0], second[0]), "the loss differs between two identical runs"
     for name, a, b in zip(("hidden.grad", "weight.grad"), first[1][:2], second[1][:2], strict=True):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
@@ -869,21 +860,19 @@ def test_gpu_is_deterministic(dtype, accumulator, gen, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", list(GPU_SHAPES.values()), ids=list(GPU_SHAPES))
 def test_gpu_triton_dweight_kernel(shape, dtype, gen, no_tf32, monkeypatch):
-    """``FUSER_LCE_DW_KERNEL=triton`` at real shapes, over several chunks: the kernel ran on every chunk, dW is as
+    """``dw_kernel="triton"`` at real shapes, over several chunks: the kernel ran on every chunk, dW is as
     close to the fp32 reference as GPU_TOL asks and within rounding of the cuBLAS path's, and the loss and
     dhidden (which the kernel does not touch) are the cuBLAS path's bit for bit."""
     monkeypatch.setattr(lce_module, "LOGITS_BUDGET_BYTES", shape[0] // 4 * shape[2] * 2)  # 4 chunks
     h, w, labels = gpu_inputs(shape, dtype, gen)
     kw = {"reduction": "sum" if dtype == torch.float16 else "mean"}  # fp16's range, as in the test above
-    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "cublas")
-    loss_ref, (dh_ref, dw_ref, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    loss_ref, (dh_ref, dw_ref, _) = run_gpu_fuser(h, w, labels, monkeypatch, dw_kernel="cublas", **kw)
     firsts = []
     real = lce_module._launch_dweight
     monkeypatch.setattr(
         lce_module, "_launch_dweight", lambda dw, g, x, first: firsts.append(first) or real(dw, g, x, first)
     )
-    monkeypatch.setenv("FUSER_LCE_DW_KERNEL", "triton")
-    loss, (dh, dw, _) = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
+    loss, (dh, dw, _) = run_gpu_fuser(h, w, labels, monkeypatch, dw_kernel="triton", **kw)
     assert firsts == [True, False, False, False]
     assert torch.equal(loss, loss_ref) and torch.equal(dh, dh_ref)
     _, ref_grads = run_model(h, w, None, labels, torch.float32, torch.float32, (True, True, False), **kw)
