@@ -89,6 +89,8 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
     cmd += ["--fuser-inner-compiler", args.fuser_inner_compiler]
     if args.fuser_patterns:
         cmd += ["--fuser-patterns", args.fuser_patterns]
+    for option in args.fuser_option:
+        cmd += ["--fuser-option", option]
     return cmd
 
 
@@ -196,6 +198,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fuser-patterns",
         help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum)",
+    )
+    parser.add_argument(
+        "--fuser-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a FuserConfig option by name, repeatable: upcast_linear.triton=false, keep_logits=true",
     )
     parser.add_argument("--profile", metavar="DIR", help="profile 3 more steps; write profile_<job>_<mode>.md to DIR")
     parser.add_argument(

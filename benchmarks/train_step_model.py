@@ -84,15 +84,32 @@ def build_model(job: Job, args: argparse.Namespace, device: torch.device, dtype:
     return model
 
 
+def fuser_options(pairs: list[str]) -> dict[str, Any]:
+    """``--fuser-option`` values (``upcast_linear.triton=false``, ``keep_logits=true``) as the dict that
+    ``torch.compile(..., backend="fuser", options=...)`` takes: a dotted name is a pattern's option, ``true`` and
+    ``false`` are booleans, anything else a string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--fuser-option takes NAME=VALUE (e.g. upcast_linear.triton=false), got {pair!r}")
+        value = {"true": True, "false": False}.get(text.lower(), text)
+        section, _, field = name.rpartition(".")
+        (options.setdefault(section, {}) if section else options)[field] = value
+    return options
+
+
 def fuser_config(args: argparse.Namespace):
-    """fuser's config for this run: the inner compiler, and the patterns ``--fuser-patterns`` names."""
+    """fuser's config for this run: the inner compiler, the patterns ``--fuser-patterns`` names, and the options
+    ``--fuser-option`` sets, by name as a trainer's ``options=`` sets them."""
     import fuser
 
     patterns = None
     if args.fuser_patterns:
         names = tuple(n for n in args.fuser_patterns.removeprefix("+").split(",") if n)
         patterns = (*fuser.DEFAULT_PATTERNS, *names) if args.fuser_patterns.startswith("+") else names
-    return fuser.FuserConfig(patterns=patterns, inner_compiler=args.fuser_inner_compiler)
+    options = {**fuser_options(args.fuser_option), "patterns": patterns, "inner_compiler": args.fuser_inner_compiler}
+    return fuser.FuserConfig.from_options(options)
 
 
 def make_batches(n: int, batch: int, seq: int, vocab: int, seed: int, device: torch.device) -> list[torch.Tensor]:

@@ -89,6 +89,7 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
         + (" (tiny smoke-test config)" if any_result.get("tiny") else "")
         + ("; all-ones attention_mask passed, as HF Trainer's do" if any_result.get("attention_mask") else "")
         + (f"; fuser patterns `{any_result['fuser_patterns']}`" if any_result.get("fuser_patterns") else "")
+        + (f"; fuser options `{' '.join(any_result['fuser_options'])}`" if any_result.get("fuser_options") else "")
     )
     text = report_header(f"Training step: {job_name}", list(results.values()), command)
     text += f"- setup: {setup}\n" + (f"- {note}\n" if note else "") + "\n"

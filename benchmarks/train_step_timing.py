@@ -44,6 +44,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         tiny=args.tiny,
         attention_mask=args.attention_mask,
         fuser_patterns=args.fuser_patterns,
+        fuser_options=args.fuser_option,
         steps=args.steps,
         warmup=args.warmup,
         command=shlex.join([sys.executable, *sys.argv]),

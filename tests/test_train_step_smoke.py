@@ -153,3 +153,20 @@ def test_live_at_peak_replays_the_allocator_trace(memory):
     assert peak == 170
     assert sorted(e["addr"] for e in live) == [2, 3]
     assert memory.live_at_peak([]) == (0, [])
+
+
+def test_fuser_options_by_name_reach_the_config():
+    import argparse
+
+    model = load_benchmark("train_step_model")
+    args = argparse.Namespace(
+        fuser_patterns="+lora_sum",
+        fuser_inner_compiler="aot_eager",
+        fuser_option=["upcast_linear.triton=false", "linear_cross_entropy.dw_kernel=triton", "keep_logits=true"],
+    )
+    config = model.fuser_config(args)
+    assert config.upcast_linear.triton is False and config.upcast_linear.recompute_gated_input is True
+    assert config.linear_cross_entropy.dw_kernel == "triton" and config.keep_logits is True
+    assert config.inner_compiler == "aot_eager"
+    with pytest.raises(ValueError, match="unknown option"):
+        model.fuser_config(argparse.Namespace(**{**vars(args), "fuser_option": ["upcast_linear.tritn=false"]}))
