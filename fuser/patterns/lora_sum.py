@@ -277,11 +277,18 @@ def _copy_views(
     return copies[view]
 
 
+def _drop_dead_casts(graph: torch.fx.Graph) -> None:
+    """Erase the casts and views nothing uses: the rewrite leaves a replaced block's input upcast (a norm's
+    ``x.to(fp32)``) until Inductor compiles the graph, and a sum must not look used by it. Only these: a full
+    dead-code pass would also take unused in-place calls (``x.mul_(…)`` as a call_method), which fx calls pure."""
+    for node in reversed(graph.nodes):
+        if node.op == "call_method" and node.target in ("to", "float", *_VIEWS) and not node.users:
+            graph.erase_node(node)
+
+
 def refine_lora_sums(graph: torch.fx.Graph) -> int:
-    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16). The rewrite leaves
-    the replaced blocks' dead nodes (a norm's input upcast) until the graph is recompiled: removed first, so that a
-    sum's users are its consumers."""
-    graph.eliminate_dead_code()
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
+    _drop_dead_casts(graph)
     return (
         keep_wide_sums_for_gated_ops(graph)
         + sum_into_residual_adds(graph)
