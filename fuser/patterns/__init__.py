@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
-
-from fuser.engine.match import Found
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 from fuser.patterns.causal_attention import CAUSAL_ATTENTION
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
@@ -14,32 +10,6 @@ from fuser.patterns.lora_sum import LORA_SUM
 from fuser.patterns.rms_norm import RMS_NORM
 from fuser.patterns.rope import ROPE
 from fuser.patterns.upcast_linear import UPCAST_LINEAR
-
-if TYPE_CHECKING:
-    from fuser.config import FuserConfig
-
-
-def _with_upcast_linear_triton(pattern: Pattern) -> Pattern:
-    """``pattern`` (one without options of its own) whose op also receives
-    ``allow_triton=config.upcast_linear.triton``: lora_sum's op runs upcast_linear's Triton kernels, so one switch
-    covers both (``fuser.kernels.lora_sum``); its refinements carry the argument over to the ops they make."""
-    check, after_apply = pattern.check, pattern.after_apply
-
-    def check_with_triton(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
-        replacement = check(found, variant)
-        kwargs = {**replacement.kwargs, "allow_triton": config.upcast_linear.triton}
-        return dataclasses.replace(replacement, kwargs=kwargs)
-
-    def after_apply_ignoring_config(graph: Any, config: FuserConfig) -> int:
-        return after_apply(graph)
-
-    return dataclasses.replace(
-        pattern,
-        check=check_with_triton,
-        after_apply=None if after_apply is None else after_apply_ignoring_config,
-        takes_config=True,
-    )
-
 
 PATTERNS: dict[str, Pattern] = {
     p.name: p
@@ -51,7 +21,7 @@ PATTERNS: dict[str, Pattern] = {
         LINEAR_CROSS_ENTROPY,
         CAUSAL_ATTENTION,
         UPCAST_LINEAR,
-        _with_upcast_linear_triton(LORA_SUM),
+        LORA_SUM,
     )
 }
 # what ``FuserConfig(patterns=None)`` applies

@@ -12,6 +12,7 @@ Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/L
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -23,6 +24,9 @@ from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.kernels.upcast_linear import HALF_DTYPES, TRITON_MAX_OUT
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
+
 _TERM = Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))
 VARIANTS = [
     # peft's Linear: the sum in fp32, then cast to the base dtype
@@ -32,7 +36,9 @@ VARIANTS = [
 ]
 
 
-def check_lora_sum(found: Found, variant: Variant) -> Replacement:
+def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
+    """The op runs upcast_linear's Triton kernels: ``config.upcast_linear.triton`` switches both (its refinements
+    carry ``allow_triton`` over to the ops they make)."""
     b = found.bindings
     base, a, w, out = (tensor_meta(v) for v in (b["base"], b["a"], b["w"], found.root))
     if base is None or a is None or w is None or out is None:
@@ -56,7 +62,11 @@ def check_lora_sum(found: Found, variant: Variant) -> Replacement:
     if round_term and out.dtype != base.dtype:
         raise Decline(f"the sum is {out.dtype}, not the base's {base.dtype}")
     scale = scalar_arg(b["scale"])
-    return Replacement(torch.ops.fuser.lora_sum.default, (b["base"], b["a"], b["w"], scale, round_term))
+    return Replacement(
+        torch.ops.fuser.lora_sum.default,
+        (b["base"], b["a"], b["w"], scale, round_term),
+        kwargs={"allow_triton": config.upcast_linear.triton},
+    )
 
 
 def _rounded_sums(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -286,7 +296,7 @@ def _drop_dead_casts(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def refine_lora_sums(graph: torch.fx.Graph) -> int:
+def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
     """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
     _drop_dead_casts(graph)
     return (
@@ -297,4 +307,6 @@ def refine_lora_sums(graph: torch.fx.Graph) -> int:
     )
 
 
-LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)
+LORA_SUM = Pattern(
+    "lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums, takes_config=True
+)

@@ -55,9 +55,8 @@ def fp64_reference(base, a, w, scale, g):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("lead", [(7,), (2, 5)], ids=str)
 @pytest.mark.parametrize("requires", [(True, True, True), (True, False, True), (False, True, False)], ids=str)
-def test_reference_path_is_the_graphs_computation(dtype, lead, requires, gen, monkeypatch):
+def test_reference_path_is_the_graphs_computation(dtype, lead, requires, gen):
     """Off the Triton path the op is peft's computation, op for op: the same values and gradients."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
     base, a, w = leaves(gen, lead, 16, 24, dtype, requires)
     g = torch.randn(*lead, 24, generator=gen).to(dtype)
     expected = (base + F.linear(a, w) * 2.0).to(dtype)
@@ -136,7 +135,7 @@ def test_triton_kernels_equal_the_reference_path_to_fp32_rounding(gen, triton_pa
 @pytest.mark.parametrize("rank, n_out", [(16, 4096), (16, 14336), (64, 4096), (8, 1024)], ids=str)
 def test_gpu_triton_path_at_lora_shapes(dtype, rank, n_out, monkeypatch):
     """The Triton path on the GPU at Llama-3-8B LoRA-B shapes (8192 rows) against fp64, to the same bounds as the
-    reference path (cuBLAS fp32; ``FUSER_UPCAST_LINEAR_TRITON=0``)."""
+    reference path (cuBLAS fp32; ``allow_triton=False``)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype).requires_grad_()
     a = torch.randn(4, 2048, rank, device="cuda", generator=gen).requires_grad_()
@@ -153,14 +152,13 @@ def test_gpu_triton_path_at_lora_shapes(dtype, rank, n_out, monkeypatch):
         within_one_rounding(out, exact, base, a, w, 2.0)
         for name, got, want in (("da", a.grad, da), ("dB", w.grad, dw)):
             err = rel(got, want)
-            assert err < 1e-5, f"FUSER_UPCAST_LINEAR_TRITON={flag}: {name} relative error {err:.2e}"
+            assert err < 1e-5, f"allow_triton={flag}: {name} relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_round_term_reference_path_is_peft_bitsandbytes_order(dtype, gen, monkeypatch):
+def test_round_term_reference_path_is_peft_bitsandbytes_order(dtype, gen):
     """``round_term``: the scaled term rounded to the base dtype, then added there (peft's QLoRA layers): the same
     values as that graph, and the same gradients as without ``round_term`` (the same functions of g)."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
     base, a, w = leaves(gen, (2, 5), 16, 24, dtype)
     g = torch.randn(2, 5, 24, generator=gen).to(dtype)
     expected = base + (F.linear(a, w) * 2.0).to(dtype)

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import fuser.kernels.rms_norm as rms_norm_module
-from fuser.kernels._triton import HAS_TRITON, interpreting
+from fuser.kernels._triton import HAS_TRITON, interpreting, triton_on_cpu
 from fuser.kernels.rms_norm import (
     rms_norm,
     rms_norm_backward_triton,
@@ -369,9 +369,10 @@ MODELS = {
 
 
 @pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the plain-torch reference unless FUSER_CPU_TRITON=1; make sure it is not set."""
-    monkeypatch.delenv("FUSER_CPU_TRITON", raising=False)
+def reference_path():
+    """CPU tensors take the plain-torch reference outside ``triton_on_cpu()``: these tests run there."""
+    with triton_on_cpu(False):
+        yield
 
 
 def _call_functional(x, weight, eps, kwargs):
