@@ -1,1 +1,1 @@
-"""The pattern engine: canonical view, structural matcher, two-phase rewrite."""
+"""The pattern engine: the pattern protocol, canonical view, structural matcher, two-phase rewrite."""

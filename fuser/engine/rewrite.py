@@ -28,7 +28,7 @@ import torch.fx
 
 from fuser.engine.canonical import canonical, module_path, source_line
 from fuser.engine.match import OUTER_VALUE, Found, closest_miss, escaping_use, match_tree
-from fuser.patterns.base import ArgExpr, Decline, Pattern, Replacement
+from fuser.engine.protocol import ArgExpr, Decline, Pattern, Replacement
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -301,8 +301,8 @@ def apply_matches(result: RewriteResult) -> None:
             with graph.inserting_before(first):
                 if index is not None:
                     fused = graph.call_function(operator.getitem, (call, index))
-                if replacement.transpose_outputs_12:
-                    fused = graph.call_method("transpose", (fused, 1, 2))
+                if replacement.output_adapter is not None:
+                    fused = replacement.output_adapter(graph, fused)
             _copy_source_meta(old, fused)
             if "example_value" in old.meta:
                 fused.meta["example_value"] = old.meta["example_value"]

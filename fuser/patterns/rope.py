@@ -22,24 +22,18 @@ partner does not share cos/sin is rotated by the same op alone.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from dataclasses import dataclass
 
 import torch
+import torch.fx
 
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
-from fuser.patterns.base import (
-    FLOAT_DTYPES,
-    ArgExpr,
-    Decline,
-    EmptyLike,
-    InterleavedFromComplex,
-    Pattern,
-    RepeatHalves,
-    Replacement,
-    Transposed12,
-    Variant,
-)
+from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, Decline, EmptyLike, Pattern, Replacement, Variant
+
+Node = torch.fx.Node
 
 
 def _rotate_half(x):
@@ -88,6 +82,46 @@ VARIANTS = [
 ]
 
 
+@dataclass(frozen=True)
+class RepeatHalves(ArgExpr):
+    """``cat([source, source], -1)``: per-pair cos/sin of width R/2 spread over both halves of width R."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_function(torch.cat, ([self.source, self.source],), {"dim": -1})
+
+
+@dataclass(frozen=True)
+class Transposed12(ArgExpr):
+    """``source.transpose(1, 2)``: a ``[B, T, H, D]`` tensor viewed as ``[B, H, T, D]`` (no copy)."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("transpose", (self.source, 1, 2))
+
+
+def transposed_back(graph: torch.fx.Graph, output: Node) -> Node:
+    """The op's ``[B, H, T, D]`` output as the ``[B, T, H, D]`` the block returns (no copy)."""
+    return graph.call_method("transpose", (output, 1, 2))
+
+
+@dataclass(frozen=True)
+class InterleavedFromComplex(ArgExpr):
+    """The real (``part=0``) or imaginary (``part=1``) part of complex per-pair rotations ``[B|1, T, R/2]``,
+    repeated for both channels of each pair and broadcast over heads: ``[B|1, 1, T, R]`` (cos or sin)."""
+
+    source: Node
+    part: int
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        parts = graph.call_function(torch.view_as_real, (self.source,))
+        one = graph.call_function(operator.getitem, (parts, (Ellipsis, self.part)))
+        both = graph.call_method("repeat_interleave", (one, 2), {"dim": -1})
+        return graph.call_method("unsqueeze", (both, 1))
+
+
 def check_complex_rope(found: Found) -> Replacement:
     b = found.bindings
     x = strip_exact_upcast(b["x"])
@@ -108,7 +142,7 @@ def check_complex_rope(found: Found) -> Replacement:
         torch.ops.fuser.rope.default,
         (Transposed12(x), EmptyLike(x), cos, sin, head_dim, "interleaved", out.dtype),
         output_index=0,
-        transpose_outputs_12=True,
+        output_adapter=transposed_back,
     )
 
 

@@ -1,0 +1,111 @@
+"""What a pattern is, as the engine reads it: named variants (pattern trees), a
+check that turns a match into a :class:`Replacement` or declines it, and hooks the engine runs without knowing
+what they do. The engine imports nothing from ``fuser.patterns`` or ``fuser.kernels``: a block brings its own
+argument builders (:class:`ArgExpr` subclasses), output adapters and refinements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+Node = torch.fx.Node
+
+
+class Decline(Exception):
+    """Raised by a pattern's ``check`` when a structural match is not safe to replace; the text says why."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # which models write it this way, e.g. "llama"
+    tree: Any
+
+
+class ArgExpr:
+    """A replacement argument that the rewrite builds in the graph, right before the fused op.
+
+    Subclasses are frozen dataclasses with a ``source`` node field: when an earlier replacement took ``source``'s
+    place, the engine swaps in the new node (``dataclasses.replace``) before calling :meth:`build`.
+    """
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class EmptyLike(ArgExpr):
+    """``source.new_empty(0)``: a 0-element tensor standing for "absent" where a custom op cannot take ``None``."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("new_empty", (self.source, (0,)))
+
+
+@dataclass(frozen=True)
+class CastTo(ArgExpr):
+    """``source.to(dtype)``: an operand in the dtype autocast gave the op it replaces (custom ops see no autocast)."""
+
+    source: Node
+    dtype: torch.dtype
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_method("to", (self.source, self.dtype))
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One call to a fused op that takes the place of ``root``."""
+
+    op: Any  # an OpOverload, e.g. torch.ops.fuser.rms_norm.default
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    output_index: int | None = None  # the op returns a tuple: the block's value is this element
+    # a combined match (q and k rotated by one op) replaces more roots: (root node, output index) for each
+    extra_outputs: tuple[tuple[Node, int], ...] = ()
+    # builds, after the op, each output as the block returned it from the op's (a view back to the block's
+    # layout): ``output_adapter(graph, output) -> node``; None when the op returns the block's values as they are
+    output_adapter: Callable[[torch.fx.Graph, Node], Node] | None = None
+    # interior nodes the graph returns that the op never computes (logits): the graph returns None in their place
+    dropped_outputs: tuple[Node, ...] = ()
+
+
+@dataclass
+class Pattern:
+    """A block that fuser recognises.
+
+    ``check(found, variant)`` returns the ``Replacement`` for a structural match of one of ``variants``, or raises
+    ``Decline`` with a reason.
+    ``anchors`` names canonical ops that almost always belong to this block (``rsqrt`` for RMSNorm): an anchor
+    node that no accepted match covers is reported as a near-miss in ``fuser.explain``.
+    ``combine(matches)``, if given, may merge this pattern's accepted matches of one graph into fewer fused ops
+    (RoPE rotates q and k with one op); it returns the matches to apply.
+    ``judges_outside_uses``: interior values of a match that are used outside it decline the match, unless this is
+    set: then ``check`` judges such uses itself (linear_cross_entropy drops the logits a graph returns).
+    ``runs_first``: matched over the whole graph before the other patterns, which then see its blocks as plain
+    inputs (lora_sum's sums would otherwise be absorbed by the gated-MLP patterns that consume them).
+    ``default``: on when ``FuserConfig.patterns`` is None; a pattern with ``default=False`` runs only when named.
+    ``after_apply(graph)``, if given, runs on each rewritten graph once every match is applied, and returns how many
+    of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input that a
+    gated op computes is recomputed, not saved).
+    ``takes_config``: ``check(found, variant, config)`` and ``after_apply(graph, config)`` also receive the
+    :class:`fuser.FuserConfig` being compiled (a pattern with options of its own reads them there).
+    """
+
+    name: str
+    variants: list[Variant]
+    check: Callable[..., Replacement]
+    anchors: frozenset[str] = field(default_factory=frozenset)
+    combine: Callable[[list[Any]], list[Any]] | None = None
+    judges_outside_uses: bool = False
+    runs_first: bool = False
+    default: bool = True
+    after_apply: Callable[..., int] | None = None
+    takes_config: bool = False
