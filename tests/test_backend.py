@@ -102,7 +102,7 @@ def test_compile_by_name_in_a_fresh_process_without_importing_fuser():
     assert done.stdout.strip().endswith("{'rms_norm': 1}")
 
 
-def _failing_check(found, variant):
+def _failing_check(found, variant, config):
     raise RuntimeError("injected fault")
 
 

@@ -81,8 +81,9 @@ class Replacement:
 class Pattern:
     """A block that fuser recognises.
 
-    ``check(found, variant)`` returns the ``Replacement`` for a structural match of one of ``variants``, or raises
-    ``Decline`` with a reason.
+    ``check(found, variant, config)`` returns the ``Replacement`` for a structural match of one of ``variants``,
+    or raises ``Decline`` with a reason; ``config`` is the :class:`fuser.FuserConfig` being compiled (a pattern
+    with options of its own reads them there).
     ``anchors`` names canonical ops that almost always belong to this block (``rsqrt`` for RMSNorm): an anchor
     node that no accepted match covers is reported as a near-miss in ``fuser.explain``.
     ``combine(matches)``, if given, may merge this pattern's accepted matches of one graph into fewer fused ops
@@ -92,11 +93,9 @@ class Pattern:
     ``runs_first``: matched over the whole graph before the other patterns, which then see its blocks as plain
     inputs (lora_sum's sums would otherwise be absorbed by the gated-MLP patterns that consume them).
     ``default``: on when ``FuserConfig.patterns`` is None; a pattern with ``default=False`` runs only when named.
-    ``after_apply(graph)``, if given, runs on each rewritten graph once every match is applied, and returns how many
-    of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input that a
-    gated op computes is recomputed, not saved).
-    ``takes_config``: ``check(found, variant, config)`` and ``after_apply(graph, config)`` also receive the
-    :class:`fuser.FuserConfig` being compiled (a pattern with options of its own reads them there).
+    ``after_apply(graph, config)``, if given, runs on each rewritten graph once every match is applied, and returns
+    how many of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input
+    that a gated op computes is recomputed, not saved).
     """
 
     name: str
@@ -108,4 +107,3 @@ class Pattern:
     runs_first: bool = False
     default: bool = True
     after_apply: Callable[..., int] | None = None
-    takes_config: bool = False

@@ -198,10 +198,7 @@ def _try_patterns(
                     if escape is not None:
                         inner, user = escape
                         raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
-                    if pattern.takes_config:
-                        replacement = pattern.check(found, variant, config)
-                    else:
-                        replacement = pattern.check(found, variant)
+                    replacement = pattern.check(found, variant, config)
                     if replacement.dropped_outputs and graph_name:
                         # a nested subgraph's outputs are its higher-order op's: they must keep their values
                         raise Decline(f"the nested graph `{graph_name}` returns values the fused op does not compute")
@@ -249,8 +246,8 @@ def link_nested_inputs(gm: torch.fx.GraphModule) -> None:
 def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: FuserConfig) -> RewriteResult:
     """Phase 1: every accepted match and near-miss in ``gm`` and its nested subgraphs. Changes nothing.
 
-    The checks of the patterns that take the config (``takes_config``) receive ``config``: ``keep_logits``, and
-    their own options, which their fused ops may take as arguments.
+    Every check receives ``config``: ``keep_logits``, and the pattern's own options, which its fused ops may take
+    as arguments.
     """
     result = RewriteResult()
     link_nested_inputs(gm)
@@ -362,8 +359,7 @@ def rewrite(
         apply_matches(result)
         for pattern in patterns:
             if pattern.after_apply is not None:
-                extra = (config,) if pattern.takes_config else ()
-                n = sum(pattern.after_apply(module.graph, *extra) for _, module in subgraph_modules(clone))
+                n = sum(pattern.after_apply(module.graph, config) for _, module in subgraph_modules(clone))
                 if n:
                     result.refined[pattern.name] = n
                     log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)

@@ -294,4 +294,4 @@ VARIANTS = [
     ),
 ]
 
-CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention, takes_config=True)
+CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention)

@@ -351,7 +351,6 @@ SWIGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
-    takes_config=True,
 )
 GEGLU = Pattern(
     "geglu",
@@ -359,5 +358,4 @@ GEGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
-    takes_config=True,
 )

@@ -291,5 +291,4 @@ LINEAR_CROSS_ENTROPY = Pattern(
     check_linear_cross_entropy,
     anchors=frozenset({"cross_entropy"}),
     judges_outside_uses=True,
-    takes_config=True,
 )

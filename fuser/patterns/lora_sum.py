@@ -307,6 +307,4 @@ def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -
     )
 
 
-LORA_SUM = Pattern(
-    "lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums, takes_config=True
-)
+LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

@@ -22,12 +22,17 @@ residual add over one, the ``lora_sum`` pattern's refinements hand the op the su
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
 from fuser.engine.canonical import strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 h = V("h")
 eps = S("eps")
@@ -58,7 +63,7 @@ VARIANTS = [
 ]
 
 
-def check_rms_norm(found: Found, variant: Variant) -> Replacement:
+def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
     x = strip_exact_upcast(b["h"])
     xt = tensor_meta(x)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -32,6 +33,9 @@ import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, Decline, EmptyLike, Pattern, Replacement, Variant
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 Node = torch.fx.Node
 
@@ -146,7 +150,7 @@ def check_complex_rope(found: Found) -> Replacement:
     )
 
 
-def check_rope(found: Found, variant: Variant) -> Replacement:
+def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     if variant.name == "complex":
         return check_complex_rope(found)
     b = found.bindings

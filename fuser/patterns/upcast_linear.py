@@ -104,6 +104,4 @@ def recompute_gated_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
     return n
 
 
-UPCAST_LINEAR = Pattern(
-    "upcast_linear", VARIANTS, check_upcast_linear, after_apply=recompute_gated_inputs, takes_config=True
-)
+UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=recompute_gated_inputs)
