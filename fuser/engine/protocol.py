@@ -2,6 +2,8 @@
 check that turns a match into a :class:`Replacement` or declines it, and hooks the engine runs without knowing
 what they do. The engine imports nothing from ``fuser.patterns`` or ``fuser.kernels``: a block brings its own
 argument builders (:class:`ArgExpr` subclasses), output adapters and refinements.
+
+A pattern reaches the backend, ``fuser.explain`` and :class:`fuser.FuserConfig` through :func:`register_pattern`.
 """
 
 from __future__ import annotations
@@ -107,3 +109,21 @@ class Pattern:
     runs_first: bool = False
     default: bool = True
     after_apply: Callable[..., int] | None = None
+
+
+# every registered pattern by name (the keys of ``fuser.explain(...).counts``), in the order registered
+PATTERNS: dict[str, Pattern] = {}
+
+
+def register_pattern(pattern: Pattern) -> Pattern:
+    """Make ``pattern`` known to the backend, ``fuser.explain`` and ``FuserConfig.patterns``; returns it.
+
+    At each node the engine tries the patterns in the order they were registered (those with ``runs_first`` over
+    the whole graph before the others): the first whose check accepts a match there takes the node.
+    """
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"fuser: register_pattern takes a Pattern, got {type(pattern).__name__}")
+    if PATTERNS.get(pattern.name, pattern) is not pattern:
+        raise ValueError(f"fuser: another pattern is registered as {pattern.name!r}; give this one another name")
+    PATTERNS[pattern.name] = pattern
+    return pattern

@@ -1,7 +1,8 @@
-"""The registry of patterns, by name (the keys of ``fuser.explain(...).counts``)."""
+"""The patterns fuser ships, registered with the engine by name (the keys of ``fuser.explain(...).counts``)."""
 
 from __future__ import annotations
 
+from fuser.engine.protocol import PATTERNS, register_pattern
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 from fuser.patterns.causal_attention import CAUSAL_ATTENTION
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
@@ -11,20 +12,11 @@ from fuser.patterns.rms_norm import RMS_NORM
 from fuser.patterns.rope import ROPE
 from fuser.patterns.upcast_linear import UPCAST_LINEAR
 
-PATTERNS: dict[str, Pattern] = {
-    p.name: p
-    for p in (
-        RMS_NORM,
-        ROPE,
-        SWIGLU,
-        GEGLU,
-        LINEAR_CROSS_ENTROPY,
-        CAUSAL_ATTENTION,
-        UPCAST_LINEAR,
-        LORA_SUM,
-    )
-}
+# in this order: at a node, the first pattern whose check accepts a match there takes it
+for _pattern in (RMS_NORM, ROPE, SWIGLU, GEGLU, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION, UPCAST_LINEAR, LORA_SUM):
+    register_pattern(_pattern)
+
 # what ``FuserConfig(patterns=None)`` applies
 DEFAULT_PATTERNS: tuple[str, ...] = tuple(name for name, p in PATTERNS.items() if p.default)
 
-__all__ = ["DEFAULT_PATTERNS", "PATTERNS", "Decline", "Pattern", "Replacement", "Variant"]
+__all__ = ["DEFAULT_PATTERNS", "PATTERNS", "Decline", "Pattern", "Replacement", "Variant", "register_pattern"]
