@@ -1,4 +1,4 @@
-"""What a pattern is, as the engine reads it: named variants (pattern trees), a
+"""What a pattern is, as the engine reads it: variants (pattern trees with the parameters their check reads), a
 check that turns a match into a :class:`Replacement` or declines it, and hooks the engine runs without knowing
 what they do. The engine imports nothing from ``fuser.patterns`` or ``fuser.kernels``: a block brings its own
 argument builders (:class:`ArgExpr` subclasses), output adapters and refinements.
@@ -24,8 +24,18 @@ class Decline(Exception):
 
 @dataclass(frozen=True)
 class Variant:
-    name: str  # which models write it this way, e.g. "llama"
+    """One way models write a block.
+
+    name:    what ``fuser.explain`` shows for a match of it, after the models that write it so (``"llama"``); a
+             check never reads it.
+    tree:    the pattern tree (:mod:`fuser.engine.match`).
+    params:  what the pattern's check needs to know about this form, in a frozen dataclass the pattern defines
+             (``GatedForm(packed=True)``), or None.
+    """
+
+    name: str
     tree: Any
+    params: Any = None
 
 
 class ArgExpr:

@@ -71,12 +71,17 @@ def _half(index: int) -> Op:
     return Op("getitem", Op("chunk", _maybe_lora("gate_up"), 2, -1), index)
 
 
+@dataclass(frozen=True)
+class GatedForm:
+    packed: bool  # gate and up are the halves of one projection's output, taken by the packed op
+
+
 def _variants(activation) -> list[Variant]:
     return [
         # Phi-3, GLM, every transformers-5 MoE: gate and up are the halves of one projection
-        Variant("packed", Op("mul", activation(_half(0)), _half(1))),
+        Variant("packed", Op("mul", activation(_half(0)), _half(1)), GatedForm(packed=True)),
         # Llama and most: separate gate and up projections
-        Variant("separate", Op("mul", activation(_maybe_lora("gate")), _maybe_lora("up"))),
+        Variant("separate", Op("mul", activation(_maybe_lora("gate")), _maybe_lora("up")), GatedForm(packed=False)),
     ]
 
 
@@ -239,7 +244,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
         if b.get("approximate") not in _GELU_MODES:
             raise Decline(f"gelu approximate={b.get('approximate')!r} is not 'tanh' or 'none'")
         activation = _GELU_MODES[b["approximate"]]
-    bases = ["gate_up"] if variant.name == "packed" else ["gate", "up"]
+    bases = ["gate_up"] if variant.params.packed else ["gate", "up"]
     tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
     if any(t.dtype not in FLOAT_DTYPES for t in tensors.values()):
         raise Decline(f"dtypes {[str(t.dtype) for t in tensors.values()]} are not all fp16/bf16/fp32")
@@ -256,7 +261,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
         sum_dtype = b.get(f"{n}_cast") or torch.promote_types(tensors[n].dtype, lora_dtype)
         if sum_dtype != tensors[n].dtype:
             raise Decline(f"{n} LoRA sum is {sum_dtype}, not the base dtype {tensors[n].dtype}")
-        if variant.name == "packed" and lora_dtype != tensors[n].dtype:
+        if variant.params.packed and lora_dtype != tensors[n].dtype:
             raise Decline(f"packed gate_up LoRA term of dtype {lora_dtype} (the packed op takes one dtype)")
     shapes = [tuple(t.shape) for t in tensors.values()]
     first = shapes[0]
@@ -265,7 +270,7 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
             raise Decline(f"gate/up shapes differ: {shapes}")
     if not isinstance(shapes[0][-1], int):
         raise Decline("intermediate size (last dim) is symbolic")
-    if variant.name == "packed":
+    if variant.params.packed:
         if shapes[0][-1] % 2:
             raise Decline(f"packed gate_up has an odd last dim {shapes[0][-1]}")
         return Replacement(

@@ -12,6 +12,7 @@ Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/L
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,12 +28,18 @@ from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
 
+
+@dataclass(frozen=True)
+class LoraSumForm:
+    round_term: bool  # the scaled LoRA term is rounded to the base dtype before the add, not the sum after it
+
+
 _TERM = Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))
 VARIANTS = [
     # peft's Linear: the sum in fp32, then cast to the base dtype
-    Variant("peft", Op("to", Op("add", V("base"), _TERM), C("dtype"))),
+    Variant("peft", Op("to", Op("add", V("base"), _TERM), C("dtype")), LoraSumForm(round_term=False)),
     # peft's bitsandbytes Linear4bit/8bit (QLoRA): the term cast to the base dtype, then added
-    Variant("peft bitsandbytes", Op("add", V("base"), Op("to", _TERM, C("dtype")))),
+    Variant("peft bitsandbytes", Op("add", V("base"), Op("to", _TERM, C("dtype"))), LoraSumForm(round_term=True)),
 ]
 
 
@@ -58,7 +65,7 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
         raise Decline(f"base of shape {tuple(base.shape)}, not a's rows × the adapter's outputs {expected}")
     if base.device != a.device or w.device != a.device:
         raise Decline("base, input and adapter on different devices")
-    round_term = variant.name == "peft bitsandbytes"
+    round_term = variant.params.round_term
     if round_term and out.dtype != base.dtype:
         raise Decline(f"the sum is {out.dtype}, not the base's {base.dtype}")
     scale = scalar_arg(b["scale"])

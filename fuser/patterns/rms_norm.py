@@ -22,6 +22,7 @@ residual add over one, the ``lora_sum`` pattern's refinements hand the op the su
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,13 +54,23 @@ weight = OneOf(
     V("w"),
 )
 
+
+@dataclass(frozen=True)
+class NormForm:
+    functional: bool = False  # torch's rms_norm: its normalized_shape must be the last dim alone
+
+
 VARIANTS = [
     # Llama (cast inside), OLMo-2 (cast outside), Gemma (1 + weight); a cast that is a no-op in fp32 is optional
-    Variant("weighted", OptCast(Op("mul", OptCast(normed, "norm_dtype"), weight), "out_cast")),
+    Variant("weighted", OptCast(Op("mul", OptCast(normed, "norm_dtype"), weight), "out_cast"), NormForm()),
     # nanochat, DeepSeek-V4 parts: no weight
-    Variant("no weight", OptCast(normed, "out_cast")),
+    Variant("no weight", OptCast(normed, "out_cast"), NormForm()),
     # torch.nn.functional.rms_norm and torch.nn.RMSNorm
-    Variant("F.rms_norm", Op("rms_norm", h, C("normalized_shape"), OneOf(V("w"), None), OneOf(eps, None))),
+    Variant(
+        "F.rms_norm",
+        Op("rms_norm", h, C("normalized_shape"), OneOf(V("w"), None), OneOf(eps, None)),
+        NormForm(functional=True),
+    ),
 ]
 
 
@@ -76,7 +87,7 @@ def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Repla
         raise Decline("hidden size (last dim) is symbolic")
     if "n_cols" in b and (is_symbolic_scalar(b["n_cols"]) or b["n_cols"] != n_cols):
         raise Decline(f"sum of squares divided by {_number(b['n_cols'])}, not by the hidden size {n_cols}")
-    if variant.name == "F.rms_norm" and list(b["normalized_shape"]) != [n_cols]:
+    if variant.params.functional and list(b["normalized_shape"]) != [n_cols]:
         raise Decline(f"normalized_shape {b['normalized_shape']} is not the last dim alone ([{n_cols}])")
     eps_value = b.get("eps")
     if eps_value is None:  # F.rms_norm's default

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.fx
@@ -76,13 +76,20 @@ def _partial(rotate):
     return Op("cat", _rope(rot, rotate), Op("slice_last", V("x"), S("R"), S("D"), 1), -1)
 
 
+@dataclass(frozen=True)
+class RopeForm:
+    # the op's layout: rotate_half's halves, even/odd pairs, or DeepSeek-V3's pairs in and halves out
+    layout: Literal["half", "interleaved", "pairs_to_halves"]
+    complex_freqs: bool = False  # rotations as complex numbers on [B, T, H, D] (Llama-4): its own check
+
+
 VARIANTS = [
-    Variant("half, partial", _partial(_rotate_half)),
-    Variant("interleaved, partial", _partial(_rotate_interleaved)),
-    Variant("half", _rope(V("x"), _rotate_half)),
-    Variant("interleaved", _rope(V("x"), _rotate_interleaved)),
-    Variant("pairs to halves", _pairs_to_halves()),
-    Variant("complex", _complex()),
+    Variant("half, partial", _partial(_rotate_half), RopeForm("half")),
+    Variant("interleaved, partial", _partial(_rotate_interleaved), RopeForm("interleaved")),
+    Variant("half", _rope(V("x"), _rotate_half), RopeForm("half")),
+    Variant("interleaved", _rope(V("x"), _rotate_interleaved), RopeForm("interleaved")),
+    Variant("pairs to halves", _pairs_to_halves(), RopeForm("pairs_to_halves")),
+    Variant("complex", _complex(), RopeForm("interleaved", complex_freqs=True)),
 ]
 
 
@@ -126,7 +133,7 @@ class InterleavedFromComplex(ArgExpr):
         return graph.call_method("unsqueeze", (both, 1))
 
 
-def check_complex_rope(found: Found) -> Replacement:
+def check_complex_rope(found: Found, form: RopeForm) -> Replacement:
     b = found.bindings
     x = strip_exact_upcast(b["x"])
     xt, ft, out = tensor_meta(x), tensor_meta(b["freqs"]), tensor_meta(found.root)
@@ -144,15 +151,16 @@ def check_complex_rope(found: Found) -> Replacement:
     cos, sin = InterleavedFromComplex(b["freqs"], 0), InterleavedFromComplex(b["freqs"], 1)
     return Replacement(
         torch.ops.fuser.rope.default,
-        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, "interleaved", out.dtype),
+        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, form.layout, out.dtype),
         output_index=0,
         output_adapter=transposed_back,
     )
 
 
 def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
-    if variant.name == "complex":
-        return check_complex_rope(found)
+    form = variant.params
+    if form.complex_freqs:
+        return check_complex_rope(found, form)
     b = found.bindings
     xt = tensor_meta(b["x"])
     if xt.dim() != 4:
@@ -169,7 +177,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline("interleaved pairs do not cover the rotary channels")
     if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
         raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
-    pairs_to_halves = variant.name == "pairs to halves"
+    pairs_to_halves = form.layout == "pairs_to_halves"
     cos_width = rotary_dim // 2 if pairs_to_halves else rotary_dim
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
@@ -197,12 +205,12 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
             f"{cos_dtype}/{sin_dtype}: a cast inside the rotation that the fused op does not reproduce"
         )
     if pairs_to_halves:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
-        layout, cos, sin = "pairs_to_halves", RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
+        cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
-        layout, cos, sin = ("interleaved" if variant.name.startswith("interleaved") else "half"), b["cos"], b["sin"]
+        cos, sin = b["cos"], b["sin"]
     return Replacement(
         torch.ops.fuser.rope.default,
-        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, layout, out.dtype),
+        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
         output_index=0,
     )
 
