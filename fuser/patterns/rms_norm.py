@@ -11,6 +11,9 @@ and optionally multiplies by a weight. What differs is where the casts are and h
     nanochat    no weight at all
     torch       F.rms_norm / nn.RMSNorm
 
+``fuser.explain`` names a match by its form: ``llama``, ``olmo2``, ``gemma``, ``no weight`` or ``F.rms_norm`` (the
+others in the table are spellings of the normalisation inside them).
+
 The fused op rounds once, at its output: an explicit cast between the normalisation and the weight multiply
 (Llama's ``.to(in_dtype)``) is computed in fp32, as Inductor computes it fused. The result has the root node's
 dtype, read from the graph's metadata (so autocast's dtypes are kept). ``eps`` is the literal, or, when Dynamo
@@ -23,7 +26,7 @@ residual add over one, the ``lora_sum`` pattern's refinements hand the op the su
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -49,20 +52,29 @@ normed = OneOf(
     Op("mul", h, Op("pow", variance_eps, -0.5)),  # Gemma-3n, Gemma-4: pow(var + eps, -0.5)
     Op("div", h, Op("sqrt", variance_eps)),  # h / sqrt(var + eps)
 )
-weight = OneOf(
-    Op("add", S("offset"), V("w")),  # Gemma: (1 + w.float())
-    V("w"),
-)
 
 
 @dataclass(frozen=True)
 class NormForm:
+    # where the model rounds to the input dtype around the weight multiply: "before" it (Llama), "after" it (OLMo-2,
+    # Gemma), or None (no weight, or torch's own); what tells the forms apart, though the op rounds once either way
+    weight_cast: Literal["before", "after"] | None = None
     functional: bool = False  # torch's rms_norm: its normalized_shape must be the last dim alone
 
 
 VARIANTS = [
-    # Llama (cast inside), OLMo-2 (cast outside), Gemma (1 + weight); a cast that is a no-op in fp32 is optional
-    Variant("weighted", OptCast(Op("mul", OptCast(normed, "norm_dtype"), weight), "out_cast"), NormForm()),
+    # Gemma: ((h * rsqrt(...)) * (1 + w.float())).type_as(x), all fp32
+    Variant(
+        "gemma",
+        OptCast(Op("mul", OptCast(normed, "norm_dtype"), Op("add", S("offset"), V("w"))), "out_cast"),
+        NormForm(weight_cast="after"),
+    ),
+    # OLMo-2, Helium, GPT-OSS: (w * (h * rsqrt(...))).to(in_dtype), the weight multiplied in fp32
+    Variant("olmo2", Op("to", Op("mul", normed, V("w")), C("out_cast")), NormForm(weight_cast="after")),
+    # Llama and most: w * (h * rsqrt(...)).to(in_dtype); also a norm that casts nothing (a no-op cast is optional)
+    Variant(
+        "llama", OptCast(Op("mul", OptCast(normed, "norm_dtype"), V("w")), "out_cast"), NormForm(weight_cast="before")
+    ),
     # nanochat, DeepSeek-V4 parts: no weight
     Variant("no weight", OptCast(normed, "out_cast"), NormForm()),
     # torch.nn.functional.rms_norm and torch.nn.RMSNorm

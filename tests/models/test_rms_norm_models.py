@@ -36,6 +36,17 @@ def test_explain_counts_every_norm(arch, variant):
     assert report.counts.get("rms_norm", 0) == expected_norms(arch), str(report)
 
 
+# the RMSNorm form fuser.explain names for each tiny model's norms (VARIANTS.md: OLMo-2 multiplies the weight in
+# fp32 before the downcast, Llama after it; Gemma adds 1 to the weight)
+FORMS = {"llama": "llama", "mistral": "llama", "qwen3": "llama", "gemma": "gemma", "olmo2": "olmo2"}
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_explain_names_the_norm_form(arch):
+    report = fuser.explain(build(arch, torch.bfloat16), **batch())
+    assert {m.variant for m in report.matches if m.pattern == "rms_norm"} == {FORMS[arch]}, str(report)
+
+
 def _count_compiles(model_fn, backend, seqs):
     calls = []
 

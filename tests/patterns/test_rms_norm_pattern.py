@@ -118,6 +118,18 @@ def test_variant_forward_and_backward_equal_eager(fn, dtype):
         torch.testing.assert_close(w.grad.float(), w_ref.grad.float(), rtol=4 * tol, atol=4 * tol)
 
 
+# the form each toy is reported as by fuser.explain: Llama and OLMo-2 round at different points, Gemma adds 1
+FORM_NAMES = {llama: "llama", olmo2: "olmo2", gemma: "gemma", no_weight: "no weight", functional: "F.rms_norm"}
+
+
+@pytest.mark.parametrize("fn", list(FORM_NAMES), ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_explain_names_each_form(fn, dtype):
+    report = fuser.explain(fn, *_inputs(dtype))
+    assert [m.variant for m in report.matches] == [FORM_NAMES[fn]], str(report)
+    assert FORM_NAMES[fn] in str(report)
+
+
 # --- near-misses: must not match ----------------------------------------------------------------------------
 
 
