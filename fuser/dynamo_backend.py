@@ -16,7 +16,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
-from fuser.engine import inplace
+from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
 from fuser.report import Report
@@ -42,9 +42,9 @@ _SOURCE_DIGEST = _source_digest()
 
 
 def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
-    """fuser's post-grad pass: :func:`fuser.engine.inplace.accumulate_gated_dx` and
-    :func:`~fuser.engine.inplace.reinplace_gated_backward` (unless ``config.gated_mlp.backward_in_place`` is off),
-    then the user's own post-grad pass, if any; the numbers of calls rewritten are added to ``counts``.
+    """fuser's post-grad pass: the post-grad passes the registered patterns declare (``Pattern.post_grad``: the
+    gated MLP's backward in place), each where it is enabled for ``config``, then the user's own post-grad pass, if
+    any; the numbers of calls rewritten are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
     keys: fuser's source and the whole config (its repr, nested options included: every switch there is) are in
@@ -55,9 +55,12 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
 
     class FuserPostGrad(base):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            for name, plan_pass, apply_pass in inplace.PASSES if config.gated_mlp.backward_in_place else ():
+            for one in post_grad_passes(PATTERNS.values()):
+                if not one.enabled(config):
+                    continue
+                name = one.name
                 try:
-                    plan = plan_pass(graph)
+                    plan = one.plan(graph)
                 except Exception as error:
                     # a backward graph compiles at the first backward call, outside the rewrite's fallback: a
                     # failing analysis leaves the graph as Inductor gave it (it has not been touched)
@@ -70,7 +73,7 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
                         stacklevel=2,
                     )
                     continue
-                counts[name] = counts.get(name, 0) + apply_pass(graph, plan)
+                counts[name] = counts.get(name, 0) + one.apply(graph, plan)
             if previous is not None:
                 previous(graph)
 

@@ -1,19 +1,22 @@
 """What a pattern is, as the engine reads it: variants (pattern trees with the parameters their check reads), a
 check that turns a match into a :class:`Replacement` or declines it, and hooks the engine runs without knowing
 what they do. The engine imports nothing from ``fuser.patterns`` or ``fuser.kernels``: a block brings its own
-argument builders (:class:`ArgExpr` subclasses), output adapters and refinements.
+argument builders (:class:`ArgExpr` subclasses), output adapters, refinements and post-grad passes.
 
 A pattern reaches the backend, ``fuser.explain`` and :class:`fuser.FuserConfig` through :func:`register_pattern`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 Node = torch.fx.Node
 
@@ -89,6 +92,26 @@ class Replacement:
     dropped_outputs: tuple[Node, ...] = ()
 
 
+def _always(config: FuserConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class PostGradPass:
+    """A rewrite of Inductor's post-grad graphs (functional, after AOT autograd's partition; forward and backward)
+    that a block brings for its fused ops, such as writing a backward's gradients over inputs nobody reads after.
+
+    ``plan(graph)`` only reads the graph and returns what to change; ``apply(graph, plan)`` changes it and returns
+    how many calls it rewrote (the backend's ``post_grad_counts[name]``). A failing plan leaves the graph as it
+    was: the backend warns (raises under ``strict``) and goes on. ``enabled(config)`` says whether it runs.
+    """
+
+    name: str
+    plan: Callable[[torch.fx.Graph], Any]
+    apply: Callable[[torch.fx.Graph, Any], int]
+    enabled: Callable[[FuserConfig], bool] = _always
+
+
 @dataclass
 class Pattern:
     """A block that fuser recognises.
@@ -108,6 +131,9 @@ class Pattern:
     ``after_apply(graph, config)``, if given, runs on each rewritten graph once every match is applied, and returns
     how many of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input
     that a gated op computes is recomputed, not saved).
+    ``post_grad``: passes over Inductor's post-grad graphs for this block's fused ops (:class:`PostGradPass`). A
+    fused op can reach a graph without its pattern (a model that calls ``fuser.swiglu`` itself), so the backend
+    runs the passes of every registered pattern, enabled or not.
     """
 
     name: str
@@ -119,6 +145,7 @@ class Pattern:
     runs_first: bool = False
     default: bool = True
     after_apply: Callable[..., int] | None = None
+    post_grad: tuple[PostGradPass, ...] = ()
 
 
 # every registered pattern by name (the keys of ``fuser.explain(...).counts``), in the order registered
@@ -137,3 +164,8 @@ def register_pattern(pattern: Pattern) -> Pattern:
         raise ValueError(f"fuser: another pattern is registered as {pattern.name!r}; give this one another name")
     PATTERNS[pattern.name] = pattern
     return pattern
+
+
+def post_grad_passes(patterns: Iterable[Pattern]) -> tuple[PostGradPass, ...]:
+    """The post-grad passes of ``patterns``, in their order, each once (swiglu and geglu share theirs)."""
+    return tuple(dict.fromkeys(p for pattern in patterns for p in pattern.post_grad))

@@ -11,6 +11,7 @@ from fuser.engine.protocol import (
     Decline,
     EmptyLike,
     Pattern,
+    PostGradPass,
     Replacement,
     Variant,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Decline",
     "EmptyLike",
     "Pattern",
+    "PostGradPass",
     "Replacement",
     "Variant",
 ]

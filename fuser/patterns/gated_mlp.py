@@ -18,7 +18,8 @@ projection when its forward multiplies the product by a matrix: under QLoRA the 
 Two refinements after the rewrite, each switched by :class:`GatedMLPConfig` (``FuserConfig.gated_mlp``,
 ``options={"gated_mlp": {...}}``, for both swiglu and geglu): a trainable down projection fed the fused product
 recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it, and Inductor's post-grad
-graphs write the gated backward's gradients over its inputs where nobody can observe it (``fuser.engine.inplace``).
+graphs write the gated backward's gradients over its inputs where nobody can observe it
+(``fuser.patterns.gated_mlp_inplace``, this pattern's ``post_grad`` passes).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, scalar_arg, scalar_hint
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -50,7 +52,7 @@ class GatedMLPConfig:
                                 (one ``[tokens, intermediate]`` activation per layer fewer; default ``True``).
     backward_in_place:          Inductor's post-grad graphs write the gated backward's dgate and dup over gate and
                                 up, and add the down adapter's dx into the base projection's gradient, where
-                                nothing reads them after (``fuser.engine.inplace``; default ``True``).
+                                nothing reads them after (``fuser.patterns.gated_mlp_inplace``; default ``True``).
     """
 
     recompute_for_down_weight: bool = True
@@ -356,6 +358,7 @@ SWIGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
+    post_grad=IN_PLACE_PASSES,
 )
 GEGLU = Pattern(
     "geglu",
@@ -363,4 +366,5 @@ GEGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
+    post_grad=IN_PLACE_PASSES,
 )

@@ -1,5 +1,5 @@
 """Tier 3: in a checkpointed layer the gated MLP's backward writes dgate and dup over the recomputed gate and up,
-and the down adapter's dx is added into the base projection's gradient (``fuser.engine.inplace``). Through
+and the down adapter's dx is added into the base projection's gradient (``fuser.patterns.gated_mlp_inplace``). Through
 Inductor on CPU (its caches off, so the post-grad pass runs): one of each per layer under gradient checkpointing;
 without it the gated backward stays out of place (gate and up are then saved activations) while the dx is still
 accumulated; the training step is what it is with the passes switched off, bit for bit, and eager's within fp32
@@ -8,12 +8,13 @@ rounding."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import fuser
-import fuser.engine.inplace as inplace
+from fuser.patterns.gated_mlp import GEGLU, SWIGLU
 from tests.models.tiny import N_LAYERS, batch, build, grads, lora_model, lora_step, rel
 
 pytest.importorskip("peft")
@@ -111,11 +112,17 @@ def _failing_plan(graph):
     raise RuntimeError("an analysis that fails")
 
 
+def _fail_every_plan(monkeypatch):
+    """The gated MLP's post-grad passes (swiglu's and geglu's, the same) with an analysis that raises."""
+    failing = tuple(dataclasses.replace(one, plan=_failing_plan) for one in SWIGLU.post_grad)
+    for pattern in (SWIGLU, GEGLU):
+        monkeypatch.setattr(pattern, "post_grad", failing)
+
+
 def test_a_failing_pass_leaves_the_graph_and_warns(monkeypatch):
     # the backward graph compiles at the first backward call, outside the rewrite's own fallback: the pass itself
     # must not take the step down
-    passes = [(name, _failing_plan, apply) for name, _, apply in inplace.PASSES]
-    monkeypatch.setattr(inplace, "PASSES", tuple(passes))
+    _fail_every_plan(monkeypatch)
     with pytest.warns(RuntimeWarning, match="post-grad pass gated_dx_accumulated failed"):
         loss, g = lora_step(checkpointed(lora_model()), INDUCTOR_LENIENT)
     assert fuser.backend(INDUCTOR_LENIENT).post_grad_counts == {}
@@ -124,6 +131,6 @@ def test_a_failing_pass_leaves_the_graph_and_warns(monkeypatch):
 
 
 def test_a_failing_pass_raises_under_strict(monkeypatch):
-    monkeypatch.setattr(inplace, "PASSES", tuple((n, _failing_plan, a) for n, _, a in inplace.PASSES))
+    _fail_every_plan(monkeypatch)
     with pytest.raises(Exception, match="post-grad pass gated_dx_accumulated failed"):
         lora_step(checkpointed(lora_model()), INDUCTOR)

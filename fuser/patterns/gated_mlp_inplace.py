@@ -1,4 +1,4 @@
-"""Post-grad passes: the gated MLP's backward writes its gradients over its inputs where nothing reads them after.
+"""The gated MLP's post-grad passes: its backward writes its gradients over its inputs where nothing reads them after.
 
 ``fuser::gated_activation_backward(dout, g, u, ...)`` reads gate and up (``[tokens, intermediate]``, the widest
 tensors of a layer) and writes dgate and dup of the same shape: at that moment four such buffers are live, five
@@ -7,9 +7,10 @@ gated backward is their last reader; then ``fuser::gated_activation_backward_`` 
 over up, and the peak of the layer's backward holds two of those buffers fewer (1.75 GiB for Llama-3-8B at
 32,768 tokens).
 
-The pass runs on Inductor's post-grad graphs (functional, after AOT autograd's partition; fuser installs it as
-``post_grad_custom_post_pass``), once per forward and backward graph. It rewrites a call only when it is sure that
-no one can observe the mutation; otherwise it declines and says why at debug level:
+The passes run on Inductor's post-grad graphs (functional, after AOT autograd's partition; fuser installs them as
+``post_grad_custom_post_pass``), once per forward and backward graph: swiglu and geglu declare them
+(``Pattern.post_grad``), and the backend runs them without knowing what they do. Each rewrites a call only when it
+is sure that no one can observe the mutation; otherwise it declines and says why at debug level:
 
 - only dgate and dup are asked for (no LoRA-dtype gradients),
 - g and u are distinct tensors, neither shares storage with dout,
@@ -27,7 +28,7 @@ Inductor orders the earlier reads of a mutated tensor before the mutating kernel
 of fallback kernels' arguments), the same mechanism its own re-inplacing of ``auto_functionalized`` relies on.
 
 ``FuserConfig.gated_mlp.backward_in_place=False`` (``options={"gated_mlp": {"backward_in_place": False}}``)
-switches both rewrites off: the backend then runs none of :data:`PASSES`.
+switches both rewrites off: each of :data:`PASSES` is then not enabled.
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ from __future__ import annotations
 import logging
 import operator
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers the fuser:: gated ops)
+from fuser.patterns.base import PostGradPass
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
 
 log = logging.getLogger("fuser")
 
@@ -245,9 +250,13 @@ def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
     return apply_gated_dx(graph, plan_gated_dx(graph))
 
 
-# what fuser's post-grad pass runs, in order: (name, plan, apply). The backend catches a failing plan (which has
-# not touched the graph) and leaves the graph as it was; the edits themselves are a few FX calls.
+def backward_in_place(config: FuserConfig) -> bool:
+    return config.gated_mlp.backward_in_place
+
+
+# the post-grad passes of swiglu and geglu, in the order they run. The backend catches a failing plan (which has not
+# touched the graph) and leaves the graph as it was; the edits themselves are a few FX calls.
 PASSES = (
-    ("gated_dx_accumulated", plan_gated_dx, apply_gated_dx),
-    ("gated_backward_in_place", plan_gated_backward, apply_gated_backward),
+    PostGradPass("gated_dx_accumulated", plan_gated_dx, apply_gated_dx, backward_in_place),
+    PostGradPass("gated_backward_in_place", plan_gated_backward, apply_gated_backward, backward_in_place),
 )
