@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
-from fuser.engine.canonical import strip_exact_upcast, tensor_meta
+from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
@@ -124,11 +124,14 @@ def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Repla
     if out.dim() != xt.dim() or out.dtype not in FLOAT_DTYPES:
         raise Decline(f"result of rank {out.dim()} and dtype {out.dtype} is not a norm of the input")
 
-    if b.get("norm_dtype") == torch.float64:
-        raise Decline("normalised value is cast to fp64")
-    # The cast of the normalised value to the input dtype before the weight multiply (Llama's, and aten's
-    # rms_norm's) is not reproduced: Inductor fuses it with the multiply and elides the round trip, and the
-    # single rounding of the product is closer to fp32 (issue 16). The op's ``norm_dtype`` stays None.
+    # The casts inside the block (the normalised value's to the input dtype before the weight multiply, Llama's and
+    # aten's rms_norm's) are not reproduced: Inductor fuses them with the multiply and elides the round trip, and the
+    # single rounding of the product is closer to fp32 (issue 16). The op's ``norm_dtype`` stays None. That holds
+    # for a cast to a dtype the op computes for; one to fp64 or an integer type computes something else.
+    for node in found.nodes[1:]:
+        cast = canonical(node)
+        if cast is not None and cast.op == "to" and cast.args[1] not in FLOAT_DTYPES:
+            raise Decline(f"`{node.name}` inside the norm casts to {cast.args[1]}, not to fp16/bf16/fp32")
     return Replacement(
         torch.ops.fuser.rms_norm.default,
         (x, w, scalar_arg(eps_value), scalar_arg(b.get("offset", 0.0)), None, out.dtype),

@@ -190,6 +190,29 @@ def test_weight_on_wrong_axis_declines_the_weight():
     _assert_compiled_equals_eager(weight_on_wrong_axis)
 
 
+def cast_to_int_inside(x, w):  # not a norm of x: the normalised value truncated to integers
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(torch.int32)
+
+
+def cast_to_fp64_inside(x, w):
+    h = x.float()
+    return (w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).double()).float()
+
+
+@pytest.mark.parametrize("fn", [cast_to_int_inside, cast_to_fp64_inside], ids=_name)
+def test_cast_inside_to_a_dtype_the_op_does_not_compute_declines(fn):
+    """Only the plain norm under the cast is fused (the cast and what follows stay as written)."""
+    x, w = _inputs(torch.float32)
+    report = fuser.explain(fn, x, w)
+    dtype = "torch.int32" if fn is cast_to_int_inside else "torch.float64"
+    assert any(f"inside the norm casts to {dtype}" in nm.reason for nm in report.near_misses), str(report)
+    assert [m.variant for m in report.matches] == ["no weight"], str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(x, w)
+    torch.testing.assert_close(out, fn(x, w), rtol=1e-5, atol=1e-5)
+
+
 def intermediate_used_elsewhere(x, w):
     h = x.float()
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
