@@ -49,6 +49,7 @@ mean_square = OneOf(
 variance_eps = Op("add", mean_square, eps)
 normed = OneOf(
     Op("mul", h, Op("rsqrt", variance_eps)),  # Llama and most others
+    Op("mul", h, Op("to", Op("rsqrt", variance_eps), C("rstd_dtype"))),  # DeepSeek-V4, GLM-5: rsqrt(...).to(x.dtype)
     Op("mul", h, Op("pow", variance_eps, -0.5)),  # Gemma-3n, Gemma-4: pow(var + eps, -0.5)
     Op("div", h, Op("sqrt", variance_eps)),  # h / sqrt(var + eps)
 )

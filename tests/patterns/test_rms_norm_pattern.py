@@ -53,6 +53,10 @@ def no_weight(x, w):  # nanochat: no weight at all
     return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS)).type_as(x)
 
 
+def deepseek_v4_unweighted(x, w):  # DeepSeek-V4, GLM-5-Next: rstd in fp32, cast to x's dtype, then multiplied
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + EPS).to(x.dtype)
+
+
 def functional(x, w):  # torch.nn.functional.rms_norm
     return F.rms_norm(x, (N,), w, EPS)
 
@@ -73,7 +77,19 @@ class RMSNormModule(torch.nn.Module):  # torch.nn.RMSNorm
         return self.norm(x)
 
 
-VARIANTS = [llama, olmo2, gemma, gemma3n, divide_by_sqrt, dory, no_weight, functional, qwen3_per_head, RMSNormModule()]
+VARIANTS = [
+    llama,
+    olmo2,
+    gemma,
+    gemma3n,
+    divide_by_sqrt,
+    dory,
+    no_weight,
+    deepseek_v4_unweighted,
+    functional,
+    qwen3_per_head,
+    RMSNormModule(),
+]
 
 
 def _name(fn):
@@ -116,6 +132,22 @@ def test_variant_forward_and_backward_equal_eager(fn, dtype):
     if w_ref.grad is not None:
         # the weight gradient sums over 10 rows: eager rounds that sum in low precision, fuser in fp32
         torch.testing.assert_close(w.grad.float(), w_ref.grad.float(), rtol=4 * tol, atol=4 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deepseek_v4_unweighted_norm_matches_in_half_precision(dtype):
+    """transformers' own module: in fp32 its cast of rstd is a no-op the matcher looks through; in bf16/fp16 it is
+    a real cast, which the fused op computes in fp32 (its one rounding is at the output)."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    norm = modeling.DeepseekV4UnweightedRMSNorm(eps=EPS)
+    x = torch.randn(2, 5, N, dtype=dtype)
+    report = fuser.explain(norm, x)
+    assert report.counts == {"rms_norm": 1} and [m.variant for m in report.matches] == ["no weight"], str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(norm, backend=fuser.backend(config))(x)
+    ref = norm(x)
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
 # the form each toy is reported as by fuser.explain: Llama and OLMo-2 round at different points, Gemma adds 1
