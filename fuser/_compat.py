@@ -17,7 +17,37 @@ def inductor_compile(
 ) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
+    register_inductor_fallbacks("fuser")
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def register_inductor_fallbacks(namespace: str) -> int:
+    """Give every registered ``namespace::`` custom op the fallback lowering Inductor would create for it on first
+    sight (the layout constraint its tags ask for), before Inductor sees it; returns how many were new.
+
+    Inductor's implicit fallback formats the op's arguments first (eagerly, as ``log.info``'s argument, up to
+    torch 2.11): the string of an opaque op's input holds its producers', recursively, so a chain of opaque ops
+    (fuser's residual-add norms, lora sums and projections, layer after layer) makes that string exponential in
+    the depth: a 32-layer model's compile did not finish in minutes. Registered up front, the op never reaches
+    that branch. Where these private helpers are missing, nothing is registered (Inductor's own path runs)."""
+    try:
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:
+        return 0
+    prefix = f"{namespace}::"
+    new = 0
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith(prefix):
+            continue
+        name, _, overload = qualified[len(prefix) :].partition(".")
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default", None)
+        if op is None or op in lowerings:
+            continue
+        constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        make_fallback(op, layout_constraint=constraint, warn=False)
+        new += 1
+    return new
 
 
 def lookup_dynamo_backend(name: str) -> Callable[..., Any]:

@@ -211,3 +211,31 @@ def test_optimize_in_place_keeps_the_users_class_keys_and_signature():
         fuser.optimize_(fuser.optimize(build("llama"), AOT))
     with pytest.raises(ValueError, match="not given to fuser.optimize"):
         fuser.report(build("llama"))
+
+
+def test_inductor_never_formats_the_arguments_of_fuser_ops(monkeypatch, caplog):
+    """Inductor's implicit fallback for an op it has no lowering for formats the op's arguments first (eagerly,
+    up to torch 2.11), and an opaque op's argument string holds its producers', recursively: exponential in the
+    depth of a chain of fuser ops (a 32-layer model's compile did not finish in minutes). fuser registers its ops'
+    fallbacks before Inductor runs, so their arguments are never formatted."""
+    import logging
+
+    from torch._inductor import exc, lowering
+
+    from tests.models.tiny import lora_model
+
+    for op in [op for op in lowering.lowerings if str(op).startswith("fuser.")]:  # as in a fresh process
+        monkeypatch.delitem(lowering.lowerings, op)
+    formatted = []
+    real = exc.OperatorIssue.operator_str
+
+    def spy(target, args, kwargs):
+        formatted.append(str(target))
+        return real(target, args, kwargs)
+
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(spy))
+    caplog.set_level(logging.INFO, logger="torch._inductor.graph")  # the message is built where it is logged
+    backend = fuser.backend(fuser.FuserConfig())
+    fuser.optimize(lora_model(), backend.config)(**batch()).loss.backward()
+    assert backend.counts["lora_sum"] > 0 and backend.counts["rms_norm"] > 0
+    assert not [t for t in formatted if t.startswith("fuser.")], formatted
