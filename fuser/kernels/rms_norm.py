@@ -110,8 +110,11 @@ if HAS_TRITON:
         w_ptr,
         y_ptr,
         rstd_ptr,
+        r_ptr,
+        sum_ptr,
         x_row_stride,
         y_row_stride,
+        r_row_stride,
         n_rows,
         n_cols,
         eps,
@@ -119,6 +122,7 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr,
         NORM_CAST: tl.constexpr,
         STORE_RSTD: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -128,6 +132,9 @@ if HAS_TRITON:
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # x + r in fp32, stored rounded (sum_ptr: contiguous, y's shape); the norm is of the fp32 sum
+            x += tl.load(r_ptr + rows[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(sum_ptr + rows[:, None] * n_cols + cols[None, :], x.to(sum_ptr.dtype.element_ty), mask=mask)
         # compute rstd
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
         if STORE_RSTD:
@@ -146,6 +153,8 @@ if HAS_TRITON:
         dx_ptr,
         dw_partial_ptr,
         rstd_ptr,
+        dres_ptr,
+        dx2_ptr,
         dy_row_stride,
         x_row_stride,
         dx_row_stride,
@@ -159,6 +168,8 @@ if HAS_TRITON:
         COMPUTE_DW: tl.constexpr,
         NORM_CAST: tl.constexpr,
         LOAD_RSTD: tl.constexpr,
+        HAS_DRES: tl.constexpr,
+        STORE_DX2: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -184,7 +195,11 @@ if HAS_TRITON:
             else:
                 g = dy
             dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
+            if HAS_DRES:  # add_rms_norm: the sum's own gradient (contiguous, x's shape) joins the norm's
+                dx += tl.load(dres_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if STORE_DX2:  # the same gradient in a second dtype (contiguous): the residual stream's and the sum's
+                tl.store(dx2_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(dx2_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw_acc += tl.sum(dy * _round_to(n, NORM_CAST), axis=0)
         if COMPUTE_DW:
@@ -234,11 +249,15 @@ def rms_norm_forward_triton(
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN;
-    ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd."""
+    ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd. With ``residual`` (x's
+    shape) the norm is of ``x + residual`` in fp32, and ``sum_out`` (contiguous, x's shape) receives that sum."""
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
+    r2 = _as_rows(residual) if residual is not None else None
     weight = weight.contiguous() if weight is not None else None
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
@@ -252,8 +271,11 @@ def rms_norm_forward_triton(
             weight if weight is not None else x2,
             y2,
             rstd if rstd is not None else y2,
+            r2 if r2 is not None else x2,
+            sum_out if sum_out is not None else y2,
             x2.stride(0),
             y2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
             n_rows,
             n_cols,
             eps,
@@ -261,6 +283,7 @@ def rms_norm_forward_triton(
             HAS_WEIGHT=weight is not None,
             NORM_CAST=_NORM_CAST_CODE[norm_dtype],
             STORE_RSTD=rstd is not None,
+            HAS_RESIDUAL=r2 is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -279,9 +302,12 @@ def rms_norm_backward_triton(
     dx_out: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
     dx_dtype: torch.dtype | None = None,
+    dres: torch.Tensor | None = None,
+    dx2_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernel; ``rstd`` is the forward's (recomputed in the kernel when ``None``); dx in
-    ``dx_dtype`` (default x's)."""
+    ``dx_dtype`` (default x's). ``dres`` (x's shape): a gradient added to dx (add_rms_norm's sum's); ``dx2_out``
+    (contiguous, x's shape) receives dx a second time, in its own dtype."""
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     weight = weight.contiguous() if weight is not None else None
@@ -302,6 +328,8 @@ def rms_norm_backward_triton(
             dx2,
             dw_partial,
             rstd if rstd is not None else dw_partial,
+            dres.contiguous() if dres is not None else dx2,
+            dx2_out if dx2_out is not None else dx2,
             dy2.stride(0),
             x2.stride(0),
             dx2.stride(0),
@@ -315,6 +343,8 @@ def rms_norm_backward_triton(
             COMPUTE_DW=compute_dw,
             NORM_CAST=_NORM_CAST_CODE[norm_dtype],
             LOAD_RSTD=rstd is not None,
+            HAS_DRES=dres is not None,
+            STORE_DX2=dx2_out is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -433,6 +463,112 @@ def _backward(ctx, dy, _drstd):
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fuser::add_rms_norm", mutates_args=())
+def add_rms_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    norm_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
+    x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
+    rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, fp32 or x's
+    dtype (a LoRA sum kept in fp32, issue 16)."""
+    check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
+    _check_residual(x, residual)
+    out_dtype = out_dtype or x.dtype
+    if use_triton(x) and triton_supports(x):
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd, residual=residual,
+                                    sum_out=h)  # fmt: skip
+        return y, rstd, h
+    wide = x.to(torch.float32) + residual.to(torch.float32)
+    y = rms_norm_reference_forward(wide, weight, eps, offset, norm_dtype, out_dtype).contiguous()
+    return y, rms_norm_reference_rstd(wide, eps).float(), wide.to(x.dtype).contiguous()
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype not in (x.dtype, torch.float32):
+        raise ValueError(
+            f"fuser: add_rms_norm expects a residual of x's shape {tuple(x.shape)}, in fp32 or x's dtype "
+            f"{x.dtype}, got {residual.dtype} {tuple(residual.shape)}"
+        )
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
+    _check_residual(x, residual)
+    return (
+        x.new_empty(x.shape, dtype=out_dtype or x.dtype),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+        x.new_empty(x.shape),
+    )
+
+
+@torch.library.custom_op("fuser::add_rms_norm_backward", mutates_args=())
+def add_rms_norm_backward_op(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    eps: float,
+    offset: float,
+    norm_dtype: torch.dtype | None,
+    compute_dweight: bool,
+    residual_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
+    plus ``dh`` (the rounded sum's own gradient, from the residual stream), one value in two dtypes."""
+    args = (dy, h, weight, eps, offset, norm_dtype, compute_dweight)
+    if use_triton(h) and triton_supports(h):
+        dres = torch.empty(h.shape, dtype=residual_dtype, device=h.device)
+        dx, dw = rms_norm_backward_triton(*args, rstd=rstd, dx_dtype=h.dtype, dres=dh, dx2_out=dres)
+    else:
+        d, dw = rms_norm_reference_backward(*args, rstd=rstd, dx_dtype=torch.float32)
+        if dh is not None:
+            d = d + dh.to(torch.float32)
+        dx, dres = d.to(h.dtype).contiguous(), d.to(residual_dtype).contiguous()
+    return dx, dres, dw if dw is not None else h.new_empty(0)
+
+
+@add_rms_norm_backward_op.register_fake
+def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
+    has_dw = weight is not None and compute_dweight
+    dw = weight.new_empty(weight.shape) if has_dw else h.new_empty(0)
+    return h.new_empty(h.shape), h.new_empty(h.shape, dtype=residual_dtype), dw
+
+
+def _add_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, offset, norm_dtype, _ = inputs
+    ctx.save_for_backward(output[2], weight, output[1])
+    ctx.eps, ctx.offset, ctx.norm_dtype, ctx.residual_dtype = eps, offset, norm_dtype, residual.dtype
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _add_backward(ctx, dy, _drstd, dh):
+    h, weight, rstd = ctx.saved_tensors
+    need_x, need_r, need_w = ctx.needs_input_grad[:3]
+    compute_dweight = weight is not None and need_w
+    rest = (None,) * 4
+    if not (need_x or need_r or compute_dweight) or (dy is None and dh is None):
+        return None, None, None, *rest
+    if dy is None:  # only the sum is used downstream: its gradient passes to both inputs
+        return (dh if need_x else None), (dh.to(ctx.residual_dtype) if need_r else None), None, *rest
+    dx, dres, dw = torch.ops.fuser.add_rms_norm_backward(
+        dy, dh, h, weight, rstd, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight, ctx.residual_dtype
+    )
+    return (dx if need_x else None), (dres if need_r else None), (dw if compute_dweight else None), *rest
+
+
+add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
 
 
 def rms_norm(

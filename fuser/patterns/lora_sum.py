@@ -166,9 +166,9 @@ def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     """A LoRA sum whose only users are residual adds (o_proj, down_proj: ``h = h + sum``) stays fp32 and each add
     rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
-    would erase a LoRA term below half the base's ulp (issue 16). A norm of the new residual (the next norm of
-    every decoder layer) gets the fp32 add as ``x_wide``: it normalises the unrounded sum, as Inductor computes
-    the norm fused with the add. Returns how many sums."""
+    would erase a LoRA term below half the base's ulp (issue 16). Where the new residual feeds an RMSNorm (the
+    next norm of every decoder layer), the add and the norm become one ``fuser::add_rms_norm``, which normalises
+    the unrounded sum; elsewhere a norm of it gets the fp32 add as ``x_wide``. Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
         if not all(_residual_add(user, node) for user in node.users):
@@ -184,10 +184,42 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
             if example is not None:
                 rounded.meta["example_value"] = example
                 add.meta["example_value"] = example.to(torch.float32)
-            for norm in _norms_of(rounded):  # the next norm reads the new residual: from the fp32 add
+            norms = _norms_of(rounded)  # the next norm reads the new residual: from the fp32 add
+            if len(norms) == 1 and _absorb_add(graph, add, node, rounded, norms[0]):
+                continue
+            for norm in norms:
                 norm.kwargs = {**norm.kwargs, "x_wide": add}
         n += 1
     return n
+
+
+def _absorb_add(
+    graph: torch.fx.Graph, add: torch.fx.Node, node: torch.fx.Node, rounded: torch.fx.Node, norm: torch.fx.Node
+) -> bool:
+    """``norm((h + sum).to(half))`` → ``fuser::add_rms_norm(h, sum, …)``, which computes the fp32 add, stores its
+    rounding (the residual stream's next value: ``rounded``'s other users read it) and normalises the unrounded
+    sum, in one kernel each way; the fp32 sum is never written. False (nothing changed) where the norm's
+    arguments are not all defined before ``rounded``."""
+    import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.add_rms_norm)
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if any(isinstance(arg, torch.fx.Node) and order[arg] > order[rounded] for arg in norm.args[1:]):
+        return False
+    h = add.args[1] if add.args[0] is node else add.args[0]
+    with graph.inserting_after(rounded):
+        fused = graph.call_function(torch.ops.fuser.add_rms_norm.default, (h, node, *norm.args[1:6]))
+    with graph.inserting_after(fused):
+        total = graph.call_function(operator.getitem, (fused, 2))
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in norm.meta:
+            fused.meta[key] = total.meta[key] = norm.meta[key]
+    # the residual stream's next value keeps the metadata the other refinements read (its shape and dtype)
+    total.meta.update({k: v for k, v in rounded.meta.items() if k not in fused.meta})
+    norm.replace_all_uses_with(fused)  # its getitem 0 / 1 (y, rstd) are the fused op's
+    rounded.replace_all_uses_with(total)
+    for dead in (norm, rounded, add):
+        graph.erase_node(dead)
+    return True
 
 
 def _norms_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -143,6 +143,12 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         "rms_norm backward, fp32 dx (to x_wide)": lambda: ops["rms_norm_backward_op"](
             x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True, torch.float32
         ),
+        "add_rms_norm, fp32 residual": lambda: ops["add_rms_norm_op"](
+            x, t(2, rows, hidden, dtype=torch.float32), w, 1e-6, 0.0, None, None
+        ),
+        "add_rms_norm backward (two stores)": lambda: ops["add_rms_norm_backward_op"](
+            x, x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True, torch.float32
+        ),
         "swiglu": lambda: ops["gated_activation_op"](g, u, None, None, 1.0, 1.0, "silu"),
         "geglu, fp32 LoRA terms": lambda: ops["gated_activation_op"](g, u, lora, lora, 2.0, 2.0, "gelu_tanh"),
         "gated backward": lambda: ops["gated_activation_backward_op"](
