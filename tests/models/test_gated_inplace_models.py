@@ -29,8 +29,12 @@ INDUCTOR_LENIENT_OFF = fuser.FuserConfig.from_options(NOT_IN_PLACE)
 
 @pytest.fixture(autouse=True)
 def _no_inductor_cache():
-    # a graph from Inductor's cache skips the post-grad passes, and with them the count
-    with torch._inductor.config.patch(force_disable_caches=True):
+    # a graph from Inductor's (or AOT autograd's) graph cache skips the post-grad passes, and with them the count;
+    # the kernels' own compile cache stays on (force_disable_caches would recompile every C++ kernel in a fresh
+    # directory: a minute or more per test)
+    import torch._functorch.config as functorch_config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
 
 
