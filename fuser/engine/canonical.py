@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from fuser._dtypes import FLOAT_DTYPES
+
 Node = torch.fx.Node
 
 COMMUTATIVE = frozenset({"add", "mul"})
@@ -434,7 +436,7 @@ def strip_exact_upcast(value: Any) -> Any:
         c = canonical(value)
         if c is None or c.op != "to" or c.args[1] != torch.float32:
             return value
-        if dtype_of(c.args[0]) not in (torch.float16, torch.bfloat16, torch.float32):
+        if dtype_of(c.args[0]) not in FLOAT_DTYPES:
             return value
         value = c.args[0]
 

@@ -26,9 +26,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
 class DtypeError(ValueError, NotImplementedError):
     """A tensor argument of a dtype the op has no kernel for (integer, bool, complex).
 

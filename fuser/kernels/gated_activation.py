@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -76,7 +77,7 @@ def _check_inputs(
                 f"fuser: gated_activation expects {name} of gate's shape {tuple(gate.shape)}, got {tuple(t.shape)}"
             )
         # LoRA terms may be of another float dtype (peft keeps adapters in fp32 under bf16 bases)
-        allowed = (gate.dtype,) if name == "up" else (torch.float16, torch.bfloat16, torch.float32)
+        allowed = (gate.dtype,) if name == "up" else FLOAT_DTYPES
         if t.dtype not in allowed:
             raise ValueError(
                 f"fuser: gated_activation expects {name} of gate's dtype {gate.dtype}"
@@ -400,7 +401,7 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
 
 
 def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return HAS_TRITON and x.dtype in FLOAT_DTYPES
 
 
 def _row_stride(t: torch.Tensor | None) -> int:

@@ -52,7 +52,8 @@ from typing import Literal, get_args
 
 import torch
 
-from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
+from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
+from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
@@ -89,7 +90,7 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None
 def dweight_accumulator(weight: torch.Tensor, choice: str = "input") -> str:
     """The accumulator ``choice`` (``"input"``: the weight's dtype, the default | ``"fp32"``) takes for ``weight``:
     an fp32 weight accumulates in fp32 either way (``"input"``)."""
-    return choice if weight.dtype in (torch.float16, torch.bfloat16) else "input"
+    return choice if weight.dtype in HALF_DTYPES else "input"
 
 
 def _check(hidden, weight, bias, labels, reduction, dw_kernel="cublas", dw_accumulator="input") -> None:
@@ -497,7 +498,7 @@ def _forward_chunked(
 
 
 def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return HAS_TRITON and x.dtype in FLOAT_DTYPES
 
 
 @torch.library.custom_op("fuser::linear_cross_entropy", mutates_args=())

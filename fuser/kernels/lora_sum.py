@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
 from fuser.kernels import upcast_linear as U
-from fuser.kernels._triton import HALF_DTYPES, check_floating
+from fuser.kernels._triton import check_floating
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -121,7 +122,7 @@ def lora_sum_grads(
     """(da in a's dtype, dB in B's dtype), each 0-element where not asked for; ``g`` is read in its own dtype
     (half, or fp32 where the consumer's backward kept it unrounded)."""
     da, dw = a.new_empty(0), weight.new_empty(0)
-    if triton_path(g, a, weight, base_dtypes=(*HALF_DTYPES, torch.float32), allow_triton=allow_triton):
+    if triton_path(g, a, weight, base_dtypes=FLOAT_DTYPES, allow_triton=allow_triton):
         if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
             da = U._forward_triton(g, weight.t()).mul_(scale)
         if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, num_programs_for, tl, triton, use_triton
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
 
 
 def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.shape[-1] <= _MAX_BLOCK_N
+    return HAS_TRITON and x.dtype in FLOAT_DTYPES and x.shape[-1] <= _MAX_BLOCK_N
 
 
 def rms_norm_forward_triton(

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels._triton import HAS_TRITON, DtypeError, check_floating, compute_dtype, tl, triton, use_triton
 
 LAYOUTS = ("half", "interleaved", "pairs_to_halves")
@@ -439,15 +440,12 @@ def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(0 if t.shape[dim] == 1 else t.stride(dim) for dim in (0, 2, 3))
 
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def triton_supports(*tensors: torch.Tensor | None, out_dtypes: tuple[torch.dtype | None, ...] = ()) -> bool:
     """The kernels load and store fp32, fp16 and bf16 (each tensor its own); fp64 takes the reference path."""
     return (
         HAS_TRITON
-        and all(t is None or t.numel() == 0 or t.dtype in _TRITON_DTYPES for t in tensors)
-        and all(d is None or d in _TRITON_DTYPES for d in out_dtypes)
+        and all(t is None or t.numel() == 0 or t.dtype in FLOAT_DTYPES for t in tensors)
+        and all(d is None or d in FLOAT_DTYPES for d in out_dtypes)
     )
 
 

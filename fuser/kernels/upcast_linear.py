@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuser.kernels._triton import HALF_DTYPES, HAS_TRITON, check_floating, tl, triton, use_triton
+from fuser._dtypes import HALF_DTYPES
+from fuser.kernels._triton import HAS_TRITON, check_floating, tl, triton, use_triton
 from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks

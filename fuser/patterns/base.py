@@ -1,10 +1,9 @@
-"""What the patterns share: the engine's pattern protocol (re-exported here for their imports) and the dtypes the
-fused ops compute for."""
+"""What the patterns share, re-exported here for their imports: the engine's pattern protocol and the dtypes the
+fused ops compute for (:mod:`fuser._dtypes`)."""
 
 from __future__ import annotations
 
-import torch
-
+from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
 from fuser.engine.protocol import (
     ArgExpr,
     CastTo,
@@ -16,11 +15,9 @@ from fuser.engine.protocol import (
     Variant,
 )
 
-# the dtypes the fused ops compute for (in fp32 internally); anything else is left to the inner compiler
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 __all__ = [
     "FLOAT_DTYPES",
+    "HALF_DTYPES",
     "ArgExpr",
     "CastTo",
     "Decline",

@@ -22,8 +22,8 @@ import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
-from fuser.kernels.upcast_linear import HALF_DTYPES, TRITON_MAX_OUT
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.kernels.upcast_linear import TRITON_MAX_OUT
+from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import fuser.kernels.upcast_linear  # noqa: F401  (registers torch.ops.fuser.upcast_linear)
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, V
-from fuser.kernels.upcast_linear import HALF_DTYPES  # importing it registers torch.ops.fuser.upcast_linear
 from fuser.options import check_fields
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import plain_gated_product
 
 if TYPE_CHECKING:
