@@ -1,5 +1,6 @@
-"""When the fused ops take their Triton path, the Triton import itself, the reference compute dtype, and the
-dtype check every public op makes of its tensor arguments.
+"""What the fused ops share around their kernels: when they take their Triton path, the Triton import itself, the
+reference compute dtype, the dtype check every public op makes of its tensor arguments, and the ``[rows, n_cols]``
+views the row-wise kernels read and write.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
 ``with triton_on_cpu():`` while ``TRITON_INTERPRET=1`` is set (Triton reads it when it is first imported): then
@@ -91,3 +92,17 @@ def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:
     if t.device.type == "cuda":
         return programs_per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count
     return 4
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D ``[rows, n_cols]`` tensor the kernels read (any row stride, unit column stride): a view
+    where one exists (a single column needs no unit stride), else a copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def out_rows(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer as ``[rows, n_cols]``: a view (never a copy, or the kernel's writes would be lost)."""
+    rows = t.view(-1, t.shape[-1])
+    assert rows.stride(-1) == 1 or rows.shape[-1] == 1, "fuser: a kernel's output buffer needs unit last stride"
+    return rows

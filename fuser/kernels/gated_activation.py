@@ -41,7 +41,7 @@ import math
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
-from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, compute_dtype, out_rows, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -377,19 +377,6 @@ if HAS_TRITON:
                 tl.store(dup_lora_ptr + rows * dup_lora_row_stride + cols, du_lora, mask=mask)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D ``[rows, n_cols]`` view with unit column stride, copying only when no such view exists."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
-
-
-def _out_rows(t: torch.Tensor) -> torch.Tensor:
-    """An output buffer as ``[rows, n_cols]``: a view (never a copy, or the kernel's writes would be lost)."""
-    rows = t.view(-1, t.shape[-1])
-    assert rows.stride(-1) == 1 or rows.shape[-1] == 1, "fuser: gated_activation output buffers need unit last stride"
-    return rows
-
-
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
     """(rows per tile, BLOCK_N, warps): tiles of 2048 elements, 8 per thread at 8 warps. Measured on the H200
     (``benchmarks/tune_gated_activation.py``, bf16, 8192–16384 rows, I 14336–28672): within 0.3% of the best of
@@ -511,13 +498,13 @@ def gated_activation_forward_triton(
     gate_sum = gate_sum if gate_lora is not None else None
     up_sum = up_sum if up_lora is not None else None
     _launch_forward(
-        _as_rows(gate),
-        _as_rows(up),
-        _as_rows(gate_lora) if gate_lora is not None else None,
-        _as_rows(up_lora) if up_lora is not None else None,
-        _out_rows(out),
-        _out_rows(gate_sum) if gate_sum is not None else None,
-        _out_rows(up_sum) if up_sum is not None else None,
+        as_rows(gate),
+        as_rows(up),
+        as_rows(gate_lora) if gate_lora is not None else None,
+        as_rows(up_lora) if up_lora is not None else None,
+        out_rows(out),
+        out_rows(gate_sum) if gate_sum is not None else None,
+        out_rows(up_sum) if up_sum is not None else None,
         gate_scale,
         up_scale,
         activation,
@@ -554,10 +541,10 @@ def gated_activation_backward_triton(
         for w, b, d in zip(wanted, buffers, dtypes, strict=True)
     ]
     _launch_backward(
-        _as_rows(dout),
-        _as_rows(g),
-        _as_rows(u),
-        *[_out_rows(t) if t is not None else None for t in grads],
+        as_rows(dout),
+        as_rows(g),
+        as_rows(u),
+        *[out_rows(t) if t is not None else None for t in grads],
         gate_scale,
         up_scale,
         activation,
@@ -567,13 +554,13 @@ def gated_activation_backward_triton(
 
 def _packed_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of a packed ``[..., 2I]`` tensor as ``[rows, I]`` views of one row view."""
-    rows = _as_rows(t)
+    rows = as_rows(t)
     n_cols = rows.shape[-1] // 2
     return rows[:, :n_cols], rows[:, n_cols:]
 
 
-def _packed_out_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _out_rows(t)
+def _packedout_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = out_rows(t)
     n_cols = rows.shape[-1] // 2
     return rows[:, :n_cols], rows[:, n_cols:]
 
@@ -596,8 +583,8 @@ def gated_activation_packed_forward_triton(
         gate_up_sum = _new_empty(gate_up)
     gate2, up2 = _packed_rows(gate_up)
     gate_lora2, up_lora2 = _packed_rows(gate_up_lora) if gate_up_lora is not None else (None, None)
-    gate_sum2, up_sum2 = _packed_out_rows(gate_up_sum) if gate_up_sum is not None else (None, None)
-    _launch_forward(gate2, up2, gate_lora2, up_lora2, _out_rows(out), gate_sum2, up_sum2, scale, scale, activation)
+    gate_sum2, up_sum2 = _packedout_rows(gate_up_sum) if gate_up_sum is not None else (None, None)
+    _launch_forward(gate2, up2, gate_lora2, up_lora2, out_rows(out), gate_sum2, up_sum2, scale, scale, activation)
     return out, gate_up_sum
 
 
@@ -619,9 +606,9 @@ def gated_activation_packed_backward_triton(
     if compute_dgate_up_lora:
         dgate_up_lora = dgate_up_lora_out if dgate_up_lora_out is not None else _new_empty(gate_up)
     g2, u2 = _packed_rows(gate_up)
-    dgate2, dup2 = _packed_out_rows(dgate_up) if dgate_up is not None else (None, None)
-    dgate_lora2, dup_lora2 = _packed_out_rows(dgate_up_lora) if dgate_up_lora is not None else (None, None)
-    _launch_backward(_as_rows(dout), g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, scale, scale, activation)
+    dgate2, dup2 = _packedout_rows(dgate_up) if dgate_up is not None else (None, None)
+    dgate_lora2, dup_lora2 = _packedout_rows(dgate_up_lora) if dgate_up_lora is not None else (None, None)
+    _launch_backward(as_rows(dout), g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, scale, scale, activation)
     return dgate_up, dgate_up_lora
 
 

@@ -53,7 +53,7 @@ from typing import Literal, get_args
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, compute_dtype, tl, triton, use_triton
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
@@ -430,8 +430,7 @@ def _forward_chunked(
     dw_accumulator: str = "input",
     streams: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    h2 = as_rows(hidden)
     labels1 = labels.reshape(-1)
     labels1 = labels1 if labels1.stride(0) == 1 else labels1.contiguous()  # the kernel reads labels at unit stride
     n_rows, vocab = h2.shape[0], weight.shape[0]

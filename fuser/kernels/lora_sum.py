@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
 from fuser.kernels import upcast_linear as U
-from fuser.kernels._triton import check_floating
+from fuser.kernels._triton import as_rows, check_floating
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -99,7 +99,7 @@ def lora_sum_op(
     dtype = base.dtype if out_dtype is None else out_dtype
     if triton_path(base, a, weight, allow_triton=allow_triton):
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
-        rows = U._rows(base).contiguous()
+        rows = as_rows(base).contiguous()
         return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
     return reference(base, a, weight, scale, round_term, out_dtype)
 
@@ -188,7 +188,7 @@ def lora_sum_wide_op(
     """
     _check(base, a, weight)
     if triton_path(base, a, weight, allow_triton=allow_triton):
-        rows = U._rows(base).contiguous()
+        rows = as_rows(base).contiguous()
         wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
         out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
         return out, wide

@@ -21,7 +21,17 @@ from __future__ import annotations
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
-from fuser.kernels._triton import HAS_TRITON, check_floating, compute_dtype, num_programs_for, tl, triton, use_triton
+from fuser.kernels._triton import (
+    HAS_TRITON,
+    as_rows,
+    check_floating,
+    compute_dtype,
+    num_programs_for,
+    out_rows,
+    tl,
+    triton,
+    use_triton,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
@@ -210,12 +220,6 @@ if HAS_TRITON:
 _MAX_BLOCK_N = 65536
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D ``[rows, n_cols]`` view with unit column stride, copying only when no such view exists."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
-
-
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
     """Forward: (rows per program, BLOCK_N, warps). Within 3% of the best swept config on the H200."""
     block_n = triton.next_power_of_2(n_cols)
@@ -257,12 +261,12 @@ def rms_norm_forward_triton(
     ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd. With ``residual`` (x's
     shape) the norm is of ``x + residual`` in fp32, and ``sum_out`` (contiguous, x's shape) receives that sum."""
     n_cols = x.shape[-1]
-    x2 = _as_rows(x)
-    r2 = _as_rows(residual) if residual is not None else None
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
     weight = weight.contiguous() if weight is not None else None
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    y2 = out.view(-1, n_cols)
+    y2 = out_rows(out)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps = _launch_config(n_cols)
     grid = (triton.cdiv(n_rows, block_m),)
@@ -310,11 +314,11 @@ def rms_norm_backward_triton(
     ``dx_dtype`` (default x's). ``dres`` (x's shape): a gradient added to dx (add_rms_norm's sum's); ``dx2_out``
     (contiguous, x's shape) receives dx a second time, in its own dtype."""
     n_cols = x.shape[-1]
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     weight = weight.contiguous() if weight is not None else None
-    dy2 = _as_rows(dy)
+    dy2 = as_rows(dy)
     dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
-    dx2 = dx.view(-1, n_cols)
+    dx2 = out_rows(dx)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
     n_programs = max(1, min(num_programs_for(x, programs_per_sm), triton.cdiv(n_rows, block_m)))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser._dtypes import HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, check_floating, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, tl, triton, use_triton
 from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
@@ -147,12 +147,6 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True
     )
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [rows, cols] with unit column stride (a view where it can be)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 # Launch configurations, per kernel: tile sizes, warps, pipeline stages, and the dot's input precision. On a GPU the
 # dots run on the tensor cores as "tf32x3" (each fp32 operand split into a TF32 high part and a TF32 remainder,
 # three products summed in fp32: about 2^-21 relative per product, below the fp32 sums' own rounding over the
@@ -189,7 +183,7 @@ def _out_p(n_out: int) -> int:
 
 def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weightᵀ`` in fp32 (``weight`` [out, in], ≤ 64 rows, any strides), ``x`` read in its own dtype."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     n_rows, n_in = x2.shape
     n_out = weight.shape[0]
     cfg = _config("fwd", x.device)
@@ -237,7 +231,7 @@ def _dx_triton(
 
 
 def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]).contiguous(), _rows(x)
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]).contiguous(), as_rows(x)
     n_rows, n_out = dy2.shape
     n_in = x2.shape[1]
     out_p = _out_p(n_out)
