@@ -1,6 +1,7 @@
-"""What the fused ops share around their kernels: when they take their Triton path, the Triton import itself, the
-reference compute dtype, the dtype check every public op makes of its tensor arguments, and the ``[rows, n_cols]``
-views the row-wise kernels read and write.
+"""What the fused ops share around their kernels: the Triton import itself; when an op takes its Triton path
+(:func:`triton_runs`) and the call of one path or the other (:func:`dispatch`); the reference compute dtype; the
+dtype check every public op makes of its tensor arguments; the ``[rows, n_cols]`` views the row-wise kernels read
+and write.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
 ``with triton_on_cpu():`` while ``TRITON_INTERPRET=1`` is set (Triton reads it when it is first imported): then
@@ -10,11 +11,14 @@ the Triton kernels run through Triton's interpreter, which is how CI exercises t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
+
+from fuser._dtypes import FLOAT_DTYPES
 
 try:  # Triton is optional: without it every op runs its reference path.
     import triton
@@ -85,6 +89,37 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return not interpreting()
     return t.device.type == "cpu" and interpreting() and _TRITON_ON_CPU.get()
+
+
+def kernel_dtypes(*tensors: torch.Tensor | None, out_dtypes: Iterable[torch.dtype | None] = ()) -> bool:
+    """The kernels are written for the dtype of every tensor given and every result dtype asked for (``None`` is
+    skipped): fp32, fp16 and bf16. Anything else (fp64, the test oracle's) takes the op's reference path."""
+    dtypes = [t.dtype for t in tensors if t is not None] + [d for d in out_dtypes if d is not None]
+    return all(d in FLOAT_DTYPES for d in dtypes)
+
+
+def triton_runs(x: torch.Tensor, *others: torch.Tensor | None, out_dtypes: Iterable[torch.dtype | None] = ()) -> bool:
+    """The op on ``x`` launches its Triton kernels: Triton runs for ``x``'s device (:func:`use_triton`), and the
+    kernels are written for the dtypes of ``x``, of ``others`` and of ``out_dtypes`` (:func:`kernel_dtypes`)."""
+    return use_triton(x) and kernel_dtypes(x, *others, out_dtypes=out_dtypes)
+
+
+def dispatch(on_triton: bool, triton_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """An op's two paths, called alike: ``triton_fn(*args, **kwargs)`` where its kernels run (``on_triton``, e.g.
+    :func:`triton_runs`), else ``reference_fn(*args, **kwargs)`` with its tensor results (one tensor, or a tuple
+    with ``None`` for what was not computed) made contiguous, as the kernels write theirs."""
+    if on_triton:
+        return triton_fn(*args, **kwargs)
+    result = reference_fn(*args, **kwargs)
+    if isinstance(result, torch.Tensor):
+        return result.contiguous()
+    return tuple(t.contiguous() if t is not None else None for t in result)
+
+
+def or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``t``, or a 0-element tensor like ``like`` for ``None``: custom ops cannot return ``None``, so an empty tensor
+    stands for "not computed"."""
+    return t if t is not None else like.new_empty(0)
 
 
 def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:

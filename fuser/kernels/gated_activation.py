@@ -41,7 +41,18 @@ import math
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
-from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, compute_dtype, out_rows, tl, triton, use_triton
+from fuser.kernels._triton import (
+    HAS_TRITON,
+    as_rows,
+    check_floating,
+    compute_dtype,
+    dispatch,
+    or_empty,
+    out_rows,
+    tl,
+    triton,
+    triton_runs,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -387,10 +398,6 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, 8
 
 
-def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in FLOAT_DTYPES
-
-
 def _row_stride(t: torch.Tensor | None) -> int:
     return t.stride(0) if t is not None else 0
 
@@ -617,11 +624,6 @@ def gated_activation_packed_backward_triton(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    # custom ops cannot return None: an empty (0-element) tensor stands for "not computed"
-    return t if t is not None else like.new_empty(0)
-
-
 @torch.library.custom_op("fuser::gated_activation", mutates_args=())
 def gated_activation_op(
     gate: torch.Tensor,
@@ -671,7 +673,7 @@ def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale,
     ``fuser::upcast_linear_gated``'s backward recomputes the product with. ``out_dtype``: the product's dtype
     (default gate's; without LoRA terms only)."""
     _check_inputs(gate, up, gate_lora, up_lora, activation)
-    if use_triton(gate) and triton_supports(gate):
+    if triton_runs(gate):
         out = None if out_dtype is None else torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
         out, gate_sum, up_sum = gated_activation_forward_triton(
             gate, up, activation, gate_lora, up_lora, gate_scale, up_scale, out=out
@@ -685,7 +687,7 @@ def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale,
         out = out.contiguous()
         gate_sum = gate_sum.contiguous() if gate_sum is not None else None
         up_sum = up_sum.contiguous() if up_sum is not None else None
-    return out, _or_empty(gate_sum, gate), _or_empty(up_sum, up)
+    return out, or_empty(gate_sum, gate), or_empty(up_sum, up)
 
 
 @gated_activation_op.register_fake
@@ -716,14 +718,12 @@ def gated_activation_backward_op(
     up_lora_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate, dup, dgate_lora, dup_lora); each one not asked for is an empty tensor."""
-    wanted = (gate_grad, up_grad, gate_lora_grad, up_lora_grad)
+    args = (dout, g, u, activation, gate_scale, up_scale, gate_grad, up_grad, gate_lora_grad, up_lora_grad)
     dtypes = {"gate_lora_dtype": gate_lora_dtype, "up_lora_dtype": up_lora_dtype}
-    if use_triton(g) and triton_supports(g):
-        grads = gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, *wanted, **dtypes)
-    else:
-        grads = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted, **dtypes)
-        grads = [t.contiguous() if t is not None else None for t in grads]
-    return tuple(_or_empty(t, g) for t in grads)
+    grads = dispatch(
+        triton_runs(g), gated_activation_backward_triton, gated_activation_reference_backward, *args, **dtypes
+    )
+    return tuple(or_empty(t, g) for t in grads)
 
 
 @gated_activation_backward_op.register_fake
@@ -749,7 +749,7 @@ def gated_activation_backward_inplace_op(
     ``fuser::gated_activation_backward`` when nothing reads g and u afterwards (a checkpointed layer's recomputed
     gate and up), which saves two ``[tokens, intermediate]`` buffers at the peak of the layer's backward. The
     kernel reads each element of g and u before it writes the same element, so writing in place is exact."""
-    if use_triton(g) and triton_supports(g) and g.is_contiguous() and u.is_contiguous():
+    if triton_runs(g) and g.is_contiguous() and u.is_contiguous():
         gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, dgate_out=g, dup_out=u)
         return
     dgate, dup, _, _ = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale)
@@ -804,13 +804,11 @@ def gated_activation_packed_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out ``[..., I]``, gate_up_sum): the packed LoRA sum backward saves, or an empty tensor."""
     _check_packed(gate_up, gate_up_lora, activation)
-    if use_triton(gate_up) and triton_supports(gate_up):
-        out, gate_up_sum = gated_activation_packed_forward_triton(gate_up, activation, gate_up_lora, scale)
-    else:
-        out, gate_up_sum = gated_activation_packed_reference_forward(gate_up, activation, gate_up_lora, scale)
-        out = out.contiguous()
-        gate_up_sum = gate_up_sum.contiguous() if gate_up_sum is not None else None
-    return out, _or_empty(gate_up_sum, gate_up)
+    args = (gate_up, activation, gate_up_lora, scale)
+    out, gate_up_sum = dispatch(
+        triton_runs(gate_up), gated_activation_packed_forward_triton, gated_activation_packed_reference_forward, *args
+    )
+    return out, or_empty(gate_up_sum, gate_up)
 
 
 @gated_activation_packed_op.register_fake
@@ -830,15 +828,11 @@ def gated_activation_packed_backward_op(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate_up, d gate_up_lora), packed ``[..., 2I]``; each one not asked for is an empty tensor."""
-    if use_triton(gate_up) and triton_supports(gate_up):
-        grads = gated_activation_packed_backward_triton(
-            dout, gate_up, activation, scale, gate_up_grad, gate_up_lora_grad
-        )
-    else:
-        grads = gated_activation_packed_reference_backward(
-            dout, gate_up, activation, scale, gate_up_grad, gate_up_lora_grad
-        )
-    return _or_empty(grads[0], gate_up), _or_empty(grads[1], gate_up)
+    args = (dout, gate_up, activation, scale, gate_up_grad, gate_up_lora_grad)
+    grads = dispatch(
+        triton_runs(gate_up), gated_activation_packed_backward_triton, gated_activation_packed_reference_backward, *args
+    )
+    return or_empty(grads[0], gate_up), or_empty(grads[1], gate_up)
 
 
 @gated_activation_packed_backward_op.register_fake

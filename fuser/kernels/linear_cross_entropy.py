@@ -52,8 +52,17 @@ from typing import Literal, get_args
 
 import torch
 
-from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, compute_dtype, tl, triton, use_triton
+from fuser._dtypes import HALF_DTYPES
+from fuser.kernels._triton import (
+    HAS_TRITON,
+    as_rows,
+    check_floating,
+    compute_dtype,
+    tl,
+    triton,
+    triton_runs,
+    use_triton,
+)
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
@@ -496,10 +505,6 @@ def _forward_chunked(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in FLOAT_DTYPES
-
-
 @torch.library.custom_op("fuser::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(
     hidden: torch.Tensor,
@@ -522,7 +527,7 @@ def linear_cross_entropy_op(
     ``dw_kernel``, ``dw_accumulator``, ``streams``: how the weight gradient is accumulated (module docstring)."""
     _check(hidden, weight, bias, labels, reduction, dw_kernel, dw_accumulator)
     _check_label_range(labels, weight.shape[0], ignore_index)
-    triton_path = use_triton(hidden) and triton_supports(hidden)
+    triton_path = triton_runs(hidden)
     return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
                             grad_hidden, grad_weight, grad_bias and bias is not None, triton_path, dw_kernel,
                             dw_accumulator, streams)  # fmt: skip
@@ -578,7 +583,7 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
         # a second [V, H] weight gradient would double the op's memory here, and the generic mul_ with a 0-dim
         # CUDA tensor of another dtype took 2.5 ms for a [256000, 2304] bf16 one on the H200 (~4x its bytes' time).
         wanted = [g for g, need in grads if need and g.numel()]
-        if wanted and use_triton(wanted[0]) and all(triton_supports(g) and g.is_contiguous() for g in wanted):
+        if wanted and all(triton_runs(g) and g.is_contiguous() for g in wanted):
             for g in wanted:
                 _scale_inplace(g, dloss)
         elif wanted:

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels._triton import (
     HAS_TRITON,
     as_rows,
     check_floating,
     compute_dtype,
+    dispatch,
     num_programs_for,
+    or_empty,
     out_rows,
     tl,
     triton,
-    use_triton,
+    triton_runs,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -241,8 +242,9 @@ def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, programs_per_sm
 
 
-def triton_supports(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.dtype in FLOAT_DTYPES and x.shape[-1] <= _MAX_BLOCK_N
+def _triton_runs(x: torch.Tensor) -> bool:
+    # a row must fit one block
+    return triton_runs(x) and x.shape[-1] <= _MAX_BLOCK_N
 
 
 def rms_norm_forward_triton(
@@ -386,7 +388,7 @@ def rms_norm_op(
         _check_wide(x, x_wide)
         out_dtype = out_dtype or x.dtype
         x = x_wide
-    if use_triton(x) and triton_supports(x):
+    if _triton_runs(x):
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd), rstd
     y = rms_norm_reference_forward(x, weight, eps, offset, norm_dtype, out_dtype).contiguous()
@@ -422,13 +424,10 @@ def rms_norm_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor)."""
     args = (dy, x, weight, eps, offset, norm_dtype, compute_dweight)
-    if use_triton(x) and triton_supports(x):
-        dx, dw = rms_norm_backward_triton(*args, rstd=rstd, dx_dtype=dx_dtype)
-    else:
-        dx, dw = rms_norm_reference_backward(*args, rstd=rstd, dx_dtype=dx_dtype)
-        dx = dx.contiguous()
-    # custom ops cannot return None: an empty tensor stands for "no weight gradient"
-    return dx, dw if dw is not None else x.new_empty(0)
+    dx, dw = dispatch(
+        _triton_runs(x), rms_norm_backward_triton, rms_norm_reference_backward, *args, rstd=rstd, dx_dtype=dx_dtype
+    )
+    return dx, or_empty(dw, x)
 
 
 @rms_norm_backward_op.register_fake
@@ -487,7 +486,7 @@ def add_rms_norm_op(
     check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
     _check_residual(x, residual)
     out_dtype = out_dtype or x.dtype
-    if use_triton(x) and triton_supports(x):
+    if _triton_runs(x):
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         y = rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd, residual=residual,
@@ -532,7 +531,7 @@ def add_rms_norm_backward_op(
     """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
     plus ``dh`` (the rounded sum's own gradient, from the residual stream), one value in two dtypes."""
     args = (dy, h, weight, eps, offset, norm_dtype, compute_dweight)
-    if use_triton(h) and triton_supports(h):
+    if _triton_runs(h):
         dres = torch.empty(h.shape, dtype=residual_dtype, device=h.device)
         dx, dw = rms_norm_backward_triton(*args, rstd=rstd, dx_dtype=h.dtype, dres=dh, dx2_out=dres)
     else:
@@ -540,7 +539,7 @@ def add_rms_norm_backward_op(
         if dh is not None:
             d = d + dh.to(torch.float32)
         dx, dres = d.to(h.dtype).contiguous(), d.to(residual_dtype).contiguous()
-    return dx, dres, dw if dw is not None else h.new_empty(0)
+    return dx, dres, or_empty(dw, h)
 
 
 @add_rms_norm_backward_op.register_fake

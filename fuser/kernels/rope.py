@@ -43,8 +43,17 @@ from __future__ import annotations
 
 import torch
 
-from fuser._dtypes import FLOAT_DTYPES
-from fuser.kernels._triton import HAS_TRITON, DtypeError, check_floating, compute_dtype, tl, triton, use_triton
+from fuser.kernels._triton import (
+    HAS_TRITON,
+    DtypeError,
+    check_floating,
+    compute_dtype,
+    dispatch,
+    kernel_dtypes,
+    tl,
+    triton,
+    use_triton,
+)
 
 LAYOUTS = ("half", "interleaved", "pairs_to_halves")
 # (input pairs interleaved, output pairs interleaved) per layout: halves (x[i], x[i+h]) otherwise
@@ -440,13 +449,11 @@ def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(0 if t.shape[dim] == 1 else t.stride(dim) for dim in (0, 2, 3))
 
 
-def triton_supports(*tensors: torch.Tensor | None, out_dtypes: tuple[torch.dtype | None, ...] = ()) -> bool:
-    """The kernels load and store fp32, fp16 and bf16 (each tensor its own); fp64 takes the reference path."""
-    return (
-        HAS_TRITON
-        and all(t is None or t.numel() == 0 or t.dtype in FLOAT_DTYPES for t in tensors)
-        and all(d is None or d in FLOAT_DTYPES for d in out_dtypes)
-    )
+def _triton_runs(q: torch.Tensor, *tensors: torch.Tensor | None, out_dtypes: tuple[torch.dtype | None, ...]) -> bool:
+    """Triton runs for q's device, and the kernels load and store every tensor's dtype (each its own) and
+    ``out_dtypes``; a 0-element tensor (k absent) is never read, so its dtype does not count."""
+    read = [t for t in (q, *tensors) if t is not None and t.numel() > 0]
+    return use_triton(q) and kernel_dtypes(*read, out_dtypes=out_dtypes)
 
 
 def _launch(
@@ -571,9 +578,9 @@ def rope_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out), contiguous, in ``out_dtype`` (None: q's / k's dtype); a 0-element k means "rotate q
     only" and gives a 0-element k_out."""
-    if use_triton(q) and triton_supports(q, k, cos, sin, out_dtypes=(out_dtype,)):
-        return rope_forward_triton(q, k, cos, sin, rotary_dim, layout, out_dtype)
-    return rope_reference_forward(q, k, cos, sin, rotary_dim, layout, out_dtype)
+    args = (q, k, cos, sin, rotary_dim, layout, out_dtype)
+    on_triton = _triton_runs(q, k, cos, sin, out_dtypes=(out_dtype,))
+    return dispatch(on_triton, rope_forward_triton, rope_reference_forward, *args)
 
 
 @rope_op.register_fake
@@ -595,9 +602,9 @@ def rope_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk), contiguous, in ``dq_dtype`` / ``dk_dtype`` (None: dq_out's / dk_out's dtype); a 0-element
     dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
-    if use_triton(dq_out) and triton_supports(dq_out, dk_out, cos, sin, out_dtypes=(dq_dtype, dk_dtype)):
-        return rope_backward_triton(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
-    return rope_reference_backward(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
+    args = (dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
+    on_triton = _triton_runs(dq_out, dk_out, cos, sin, out_dtypes=(dq_dtype, dk_dtype))
+    return dispatch(on_triton, rope_backward_triton, rope_reference_backward, *args)
 
 
 @rope_backward_op.register_fake
