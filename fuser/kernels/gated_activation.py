@@ -57,10 +57,11 @@ from fuser.kernels._triton import (
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_GELU_TANH_C = 0.044715
-_SQRT_HALF = math.sqrt(0.5)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# the constants of the module docstring's formulas
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # k
+_GELU_TANH_C = 0.044715  # c
+_SQRT_HALF = math.sqrt(0.5)  # 1/√2
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)  # φ(0)
 
 
 def _check_activation(activation: str) -> None:
@@ -257,6 +258,11 @@ def gated_activation_packed_reference_backward(
 # ---------------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    # the same constants for the kernels: jit'ed code reads only tl.constexpr globals
+    _SQRT_2_OVER_PI_TL = tl.constexpr(_SQRT_2_OVER_PI)
+    _GELU_TANH_C_TL = tl.constexpr(_GELU_TANH_C)
+    _SQRT_HALF_TL = tl.constexpr(_SQRT_HALF)
+    _INV_SQRT_2PI_TL = tl.constexpr(_INV_SQRT_2PI)
 
     @triton.jit
     def _sigmoid(x):
@@ -270,13 +276,13 @@ if HAS_TRITON:
             act = g * s
             dact = s * (1.0 + g * (1.0 - s))
         elif ACTIVATION == 1:  # gelu_tanh, via 1 + tanh(z) = 2σ(2z): the interpreter has no libdevice.tanh
-            s = _sigmoid(2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g))
+            s = _sigmoid(2.0 * _SQRT_2_OVER_PI_TL * (g + _GELU_TANH_C_TL * g * g * g))
             act = g * s
-            dact = s * (1.0 + 2.0 * g * (1.0 - s) * (0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)))
+            dact = s * (1.0 + 2.0 * g * (1.0 - s) * (_SQRT_2_OVER_PI_TL * (1.0 + 3.0 * _GELU_TANH_C_TL * g * g)))
         else:  # gelu (erf)
-            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+            cdf = 0.5 * (1.0 + tl.erf(g * _SQRT_HALF_TL))
             act = g * cdf
-            dact = cdf + g * (tl.exp(-0.5 * g * g) * 0.3989422804014327)
+            dact = cdf + g * (tl.exp(-0.5 * g * g) * _INV_SQRT_2PI_TL)
         return act, dact
 
     @triton.jit
