@@ -269,6 +269,17 @@ if HAS_TRITON:
         return 1.0 / (1.0 + tl.exp(-x))
 
     @triton.jit
+    def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # this program's tile (row block, column block), column blocks fastest: consecutive programs sweep
+        # contiguous memory; (rows [BLOCK_M, 1] int64, cols [1, BLOCK_N], mask [BLOCK_M, BLOCK_N])
+        n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
+        pid = tl.program_id(0)
+        rows = (pid // n_col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M], int64 offsets
+        cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_M, BLOCK_N]
+        return rows[:, None], cols[None, :], mask
+
+    @triton.jit
     def _activation_and_grad(g, ACTIVATION: tl.constexpr):
         # (act(g), act'(g)) in fp32; the compiler drops whichever of the two a kernel does not use
         if ACTIVATION == 0:  # silu
@@ -311,14 +322,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        # tile (row block, column block), column blocks fastest: consecutive programs sweep contiguous memory
-        n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
-        pid = tl.program_id(0)
-        rows = (pid // n_col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M], int64 offsets
-        cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_M, BLOCK_N]
-        rows = rows[:, None]
-        cols = cols[None, :]
+        rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         # absorb the LoRA sums: store them rounded to the input dtype (what backward saves), and act on the fp32
@@ -365,14 +369,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        # tile (row block, column block), column blocks fastest: consecutive programs sweep contiguous memory
-        n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
-        pid = tl.program_id(0)
-        rows = (pid // n_col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M], int64 offsets
-        cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_M, BLOCK_N]
-        rows = rows[:, None]
-        cols = cols[None, :]
+        rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         dout = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + rows * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         # recompute act(g) and act'(g) rather than saving act(g)
