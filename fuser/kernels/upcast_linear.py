@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser._dtypes import HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, or_empty, tl, triton, use_triton
 from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
@@ -381,7 +381,7 @@ def upcast_linear_gated_grads(
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
     dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None
     dx = upcast_linear_grads(dy, gate, weight, True, False, allow_triton)[0] if need_x else gate.new_empty(0)
-    return dx, dw if dw is not None else weight.new_empty(0)
+    return dx, or_empty(dw, weight)
 
 
 # rows of the recomputed product per weight-gradient step: a 64 MiB slice, not the whole [tokens, intermediate]
@@ -435,7 +435,7 @@ def upcast_linear_gated_grads_acc_(
         _dx_triton(dy, weight, gate.dtype, base=dx_acc, round_term=True, out=dx_acc)
     else:
         dx_acc.add_((dy @ weight).to(gate.dtype))
-    return dw if dw is not None else weight.new_empty(0)
+    return or_empty(dw, weight)
 
 
 @upcast_linear_gated_grads_acc_.register_fake
