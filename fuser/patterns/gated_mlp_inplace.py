@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -138,22 +139,37 @@ def _decline_reason(
     return None
 
 
-def plan_gated_backward(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any]]]:
-    """The ``fuser::gated_activation_backward`` calls of ``graph`` that can write over g and u, with their
-    arguments; reads the graph only (the declines are logged)."""
-    candidates = _calls(graph, torch.ops.fuser.gated_activation_backward.default)
+def _plan(graph: torch.fx.Graph, op: Any, judge: Callable[..., tuple[Any, str | None]]) -> list:
+    """What ``judge(node, args, order, by_storage)`` returns as its entry, ``(entry, None)``, for each call of
+    ``op`` in ``graph`` it accepts; a decline, ``(None, why not)``, is logged. Reads the graph only."""
+    candidates = _calls(graph, op)
     if not candidates:
         return []
     order, by_storage = _storages(graph)
     plan = []
     for node in candidates:
-        args = _bound_args(node)
-        reason = _decline_reason(node, args, order, by_storage)
+        entry, reason = judge(node, _bound_args(node), order, by_storage)
         if reason is not None:
             log.debug("fuser: %s stays out of place: %s", node.name, reason)
         else:
-            plan.append((node, args))
+            plan.append(entry)
     return plan
+
+
+def _done(plan: list, what: str) -> int:
+    if plan:
+        log.info("fuser: %d %s", len(plan), what)
+    return len(plan)
+
+
+def plan_gated_backward(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any]]]:
+    """The ``fuser::gated_activation_backward`` calls of ``graph`` that can write over g and u, with their
+    arguments; reads the graph only (the declines are logged)."""
+
+    def judge(node, args, order, by_storage):
+        return (node, args), _decline_reason(node, args, order, by_storage)
+
+    return _plan(graph, torch.ops.fuser.gated_activation_backward.default, judge)
 
 
 def apply_gated_backward(graph: torch.fx.Graph, plan: list[tuple[torch.fx.Node, dict[str, Any]]]) -> int:
@@ -170,9 +186,7 @@ def apply_gated_backward(graph: torch.fx.Graph, plan: list[tuple[torch.fx.Node, 
                 user.replace_all_uses_with(args["g"] if index == 0 else args["u"])
             graph.erase_node(user)
         graph.erase_node(node)
-    if plan:
-        log.info("fuser: %d gated backward(s) write their gradients over gate and up", len(plan))
-    return len(plan)
+    return _done(plan, "gated backward(s) write their gradients over gate and up")
 
 
 def reinplace_gated_backward(graph: torch.fx.Graph) -> int:
@@ -202,13 +216,8 @@ def _single_add_of_dx(node: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.
 def plan_gated_dx(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any], torch.fx.Node, torch.fx.Node]]:
     """(``upcast_linear_gated_grads`` call, its arguments, the ``add``, the summand) for each call whose dx can be
     added into the summand; reads the graph only (the declines are logged)."""
-    candidates = _calls(graph, torch.ops.fuser.upcast_linear_gated_grads.default)
-    if not candidates:
-        return []
-    order, by_storage = _storages(graph)
-    plan = []
-    for node in candidates:
-        args = _bound_args(node)
+
+    def judge(node, args, order, by_storage):
         add, other, reason = _single_add_of_dx(node) if args["need_x"] else (None, None, "dx not asked for")
         if reason is None:
             inputs = [args[k] for k in ("dy", "gate", "up", "weight")]
@@ -216,11 +225,9 @@ def plan_gated_dx(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, 
                 reason = "the summand shares storage with an input"
             else:
                 reason = _unobserved_reason("the summand", other, add, order, by_storage)
-        if reason is not None:
-            log.debug("fuser: %s stays out of place: %s", node.name, reason)
-        else:
-            plan.append((node, args, add, other))
-    return plan
+        return (node, args, add, other), reason
+
+    return _plan(graph, torch.ops.fuser.upcast_linear_gated_grads.default, judge)
 
 
 def apply_gated_dx(graph: torch.fx.Graph, plan: list) -> int:
@@ -239,9 +246,7 @@ def apply_gated_dx(graph: torch.fx.Graph, plan: list) -> int:
                 user.replace_all_uses_with(acc)
             graph.erase_node(user)
         graph.erase_node(node)
-    if plan:
-        log.info("fuser: %d down-projection dx(s) added into the base projection's gradient", len(plan))
-    return len(plan)
+    return _done(plan, "down-projection dx(s) added into the base projection's gradient")
 
 
 def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
