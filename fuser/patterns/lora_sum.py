@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
+import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
@@ -170,6 +171,7 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     next norm of every decoder layer), the add and the norm become one ``fuser::add_rms_norm``, which normalises
     the unrounded sum; elsewhere a norm of it gets the fp32 add as ``x_wide``. Returns how many sums."""
     n = 0
+    order = {node: i for i, node in enumerate(graph.nodes)}  # the adds and the norms' arguments keep their order
     for node in _rounded_sums(graph):
         if not all(_residual_add(user, node) for user in node.users):
             continue
@@ -185,7 +187,7 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
                 rounded.meta["example_value"] = example
                 add.meta["example_value"] = example.to(torch.float32)
             norms = _norms_of(rounded)  # the next norm reads the new residual: from the fp32 add
-            if len(norms) == 1 and _absorb_add(graph, add, node, rounded, norms[0]):
+            if len(norms) == 1 and _absorb_add(graph, add, node, rounded, norms[0], order):
                 continue
             for norm in norms:
                 norm.kwargs = {**norm.kwargs, "x_wide": add}
@@ -194,16 +196,19 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
 
 
 def _absorb_add(
-    graph: torch.fx.Graph, add: torch.fx.Node, node: torch.fx.Node, rounded: torch.fx.Node, norm: torch.fx.Node
+    graph: torch.fx.Graph,
+    add: torch.fx.Node,
+    node: torch.fx.Node,
+    rounded: torch.fx.Node,
+    norm: torch.fx.Node,
+    order: dict[torch.fx.Node, int],
 ) -> bool:
     """``norm((h + sum).to(half))`` → ``fuser::add_rms_norm(h, sum, …)``, which computes the fp32 add, stores its
     rounding (the residual stream's next value: ``rounded``'s other users read it) and normalises the unrounded
     sum, in one kernel each way; the fp32 sum is never written. False (nothing changed) where the norm's
-    arguments are not all defined before ``rounded``."""
-    import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.add_rms_norm)
-
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    if any(isinstance(arg, torch.fx.Node) and order[arg] > order[rounded] for arg in norm.args[1:]):
+    arguments are not all defined before the add (``rounded`` follows it; ``order``: the graph's node positions
+    before the refinement, a node new since then counts as after)."""
+    if any(isinstance(arg, torch.fx.Node) and order.get(arg, len(order)) > order[add] for arg in norm.args[1:]):
         return False
     h = add.args[1] if add.args[0] is node else add.args[0]
     with graph.inserting_after(rounded):
@@ -224,8 +229,6 @@ def _absorb_add(
 
 def _norms_of(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The ``fuser::rms_norm`` calls that normalise ``node`` (as their x) and have no fp32 value for it yet."""
-    import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
-
     return [
         user
         for user in node.users
