@@ -153,9 +153,13 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True
 # thousands of terms here; x in bf16/fp16 is exact in TF32, so its remainder is zero). A "bf16x3" variant (x as a
 # native bf16 operand, the fp32 one split into three bf16 parts) was tried and dropped: on the H200 its forward was
 # 1.4e-5 relative from fp64 against tf32x3's 2.2e-7 (benchmarks/results/LOG.md, 2026-11-30 18:24). Chosen by
-# ``benchmarks/tune_upcast_linear.py`` on the H200. The interpreter (CPU) ignores the precision and the stages.
+# ``benchmarks/tune_upcast_linear.py`` on the H200. The forward's inputs in 4 splits (partial products summed in a
+# fixed order): 64-row tiles leave 128 programs for 8192 rows, too few to fill 132 SMs while each streams its rows'
+# inputs; 4 splits took the 8192×4096×16 forward from 49.0 to 40.6 µs and 8192×14336×16 from 155.7 to 109.3 µs, and
+# the Llama-3-8B LoRA step's fused ops from 143.1 to 133.9 ms (tune_upcast_linear_h200_2026-12-01.md). The
+# interpreter (CPU) ignores the precision and the stages.
 CONFIGS = {
-    "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 1},
+    "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 4},
     "dx": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRECISION": "tf32x3"},
     "dw": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PRECISION": "tf32x3", "SPLITS": 8},
 }
