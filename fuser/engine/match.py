@@ -33,7 +33,7 @@ Reading nodes through one canonical view and trying commutative orders here keep
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +60,22 @@ class Pat:
 
 
 @dataclass(frozen=True)
-class V(Pat):
-    name: str
-
-
-@dataclass(frozen=True)
-class S(Pat):
-    name: str
-
-
-@dataclass(frozen=True)
-class C(Pat):
-    """Any constant that is not a graph node (a shape list, ``None``, a dtype); bound by name."""
+class _Named(Pat):
+    """A leaf of the tree, bound by name (equal, hashed and printed as its own class)."""
 
     name: str
+
+
+class V(_Named):
+    """Any tensor-valued node."""
+
+
+class S(_Named):
+    """A Python number captured in the graph, or a graph node computing a scalar."""
+
+
+class C(_Named):
+    """Any constant that is not a graph node (a shape list, ``None``, a dtype)."""
 
 
 @dataclass(frozen=True)
@@ -152,21 +154,13 @@ def _match(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> It
     if isinstance(p, V):
         if not isinstance(value, Node) or tensor_meta(value) is None:
             _fail(p, value, b, nodes)
-        elif p.name not in b:
-            yield {**b, p.name: value}, nodes
-        elif _same(b[p.name], value):
-            yield b, nodes
         else:
-            _fail(p, value, b, nodes)
+            yield from _bind(p, value, b, nodes, _same)
     elif isinstance(p, S):
         if isinstance(value, bool) or not (isinstance(value, (int, float)) or is_symbolic_scalar(value)):
             _fail(p, value, b, nodes)
-        elif p.name not in b:
-            yield {**b, p.name: value}, nodes
-        elif same_scalar(b[p.name], value):
-            yield b, nodes
         else:
-            _fail(p, value, b, nodes)
+            yield from _bind(p, value, b, nodes, same_scalar)
     elif isinstance(p, C):
         if not isinstance(value, Node):
             yield {**b, p.name: value}, nodes
@@ -226,6 +220,18 @@ class Miss:
 
 # set by closest_miss while it runs a match: every point where matching stopped, as (nodes, pattern, value, bindings)
 _RECORDING: list[tuple[tuple[Node, ...], Any, Any, dict[str, Any]]] | None = None
+
+
+def _bind(
+    p: _Named, value: Any, b: dict[str, Any], nodes: tuple[Node, ...], same: Callable[[Any, Any], bool]
+) -> Iterator[tuple[dict, tuple]]:
+    """``p``'s name bound to ``value``; a name bound before must bind the ``same`` value again."""
+    if p.name not in b:
+        yield {**b, p.name: value}, nodes
+    elif same(b[p.name], value):
+        yield b, nodes
+    else:
+        _fail(p, value, b, nodes)
 
 
 def _fail(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> None:
