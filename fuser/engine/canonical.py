@@ -32,51 +32,36 @@ class Canon:
     args: tuple[Any, ...]
 
 
-def _fn_names(*pairs: tuple[Any, str]) -> dict[Any, str]:
-    return {fn: name for fn, name in pairs}
+def _spellings(**names: tuple[Any, ...]) -> dict[Any, str]:
+    """{function: canonical name} from each name's spellings (the callables a Dynamo graph may record for it)."""
+    return {fn: name for name, fns in names.items() for fn in fns}
 
 
-_FUNCTIONS = _fn_names(
-    (operator.mul, "mul"),
-    (torch.mul, "mul"),
-    (torch.multiply, "mul"),
-    (operator.add, "add"),
-    (torch.add, "add"),
-    (operator.sub, "sub"),
-    (torch.sub, "sub"),
-    (operator.truediv, "div"),
-    (torch.div, "div"),
-    (torch.true_divide, "div"),
-    (operator.neg, "neg"),
-    (torch.neg, "neg"),
-    (torch.rsqrt, "rsqrt"),
-    (torch.sqrt, "sqrt"),
-    (operator.pow, "pow"),
-    (torch.pow, "pow"),
-    (torch.square, "square"),
-    (torch.mean, "mean"),
-    (torch.sum, "sum"),
-    (torch.nn.functional.rms_norm, "rms_norm"),
-    (torch.rms_norm, "rms_norm"),  # what Dynamo records for F.rms_norm and nn.RMSNorm
-    (torch.nn.functional.silu, "silu"),
-    (torch.sigmoid, "sigmoid"),
-    (torch.nn.functional.sigmoid, "sigmoid"),
-    (torch.nn.functional.gelu, "gelu"),
-    (torch.chunk, "chunk"),
-    (operator.getitem, "getitem"),
-    (torch.cat, "cat"),
-    (torch.concat, "cat"),
-    (torch.stack, "stack"),
-    (torch.flatten, "flatten"),
-    (torch.view_as_complex, "view_as_complex"),
-    (torch.view_as_real, "view_as_real"),
-    (torch.reshape, "reshape"),
-    (torch.tanh, "tanh"),
-    (torch.nn.functional.tanh, "tanh"),
-    (torch.nn.functional.linear, "linear"),  # torch._C._nn.linear, what Dynamo records for nn.Linear
-    (torch.nn.functional.cross_entropy, "cross_entropy"),
-    (torch.nn.functional.scaled_dot_product_attention, "sdpa"),  # torch._C._nn.scaled_dot_product_attention
+# torch functions whose own name is the canonical one, and only spelling
+_TORCH_NAMED = ("rsqrt", "sqrt", "square", "mean", "sum", "chunk", "stack", "flatten", "reshape")
+_TORCH_NAMED += ("view_as_complex", "view_as_real")
+
+_FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
+    mul=(operator.mul, torch.mul, torch.multiply),
+    add=(operator.add, torch.add),
+    sub=(operator.sub, torch.sub),
+    div=(operator.truediv, torch.div, torch.true_divide),
+    neg=(operator.neg, torch.neg),
+    pow=(operator.pow, torch.pow),
+    # torch.rms_norm: what Dynamo records for F.rms_norm and nn.RMSNorm
+    rms_norm=(torch.nn.functional.rms_norm, torch.rms_norm),
+    silu=(torch.nn.functional.silu,),
+    sigmoid=(torch.sigmoid, torch.nn.functional.sigmoid),
+    gelu=(torch.nn.functional.gelu,),
+    getitem=(operator.getitem,),
+    cat=(torch.cat, torch.concat),
+    tanh=(torch.tanh, torch.nn.functional.tanh),
+    linear=(torch.nn.functional.linear,),  # torch._C._nn.linear, what Dynamo records for nn.Linear
+    cross_entropy=(torch.nn.functional.cross_entropy,),
+    sdpa=(torch.nn.functional.scaled_dot_product_attention,),  # torch._C._nn.scaled_dot_product_attention
 )
+
+
 _METHODS = {
     "mul": "mul",
     "multiply": "mul",
