@@ -1,6 +1,7 @@
 """What the fused ops share around their kernels: the Triton import itself; when an op takes its Triton path
 (:func:`triton_runs`) and the call of one path or the other (:func:`dispatch`); the reference compute dtype; the
-dtype check every public op makes of its tensor arguments; the ``[rows, n_cols]`` views the row-wise kernels read
+dtype check every public op makes of its tensor arguments, and the weight and bias check of the ops that apply a
+linear layer; the ``[rows, n_cols]`` views the row-wise kernels read
 and write.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
@@ -54,6 +55,32 @@ def check_floating(op: str, **tensors: torch.Tensor | None) -> None:
                 f"fuser: {op} expects a floating-point {name} (float32, bfloat16 or float16), got {t.dtype}; "
                 f"cast it first (e.g. {name}.float())"
             )
+
+
+def check_linear(
+    op: str,
+    x_name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dims: tuple[str, str] = ("out", "in"),
+) -> None:
+    """Raise ``ValueError`` unless ``weight`` is ``[out, in]`` with in = ``x.shape[-1]`` and ``bias`` (if any) is
+    ``[out]`` of the weight's dtype, as ``F.linear(x, weight, bias)`` needs; ``dims``: how the op names out and in
+    (``("V", "H")`` for a vocabulary projection)."""
+    out_dim, in_dim = dims
+    # the bias's size, after its dim's name where the op has one ("[V] = [32000]"; plain "out" adds nothing)
+    bias_dims = f"[{weight.shape[0]}]" if out_dim == "out" else f"[{out_dim}] = [{weight.shape[0]}]"
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fuser: {op} expects weight [{out_dim}, {in_dim}] with {in_dim} = {x_name}.shape[-1] = {x.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"fuser: {op} expects bias {bias_dims} of the weight's dtype {weight.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

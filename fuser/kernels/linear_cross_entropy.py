@@ -57,6 +57,7 @@ from fuser.kernels._triton import (
     HAS_TRITON,
     as_rows,
     check_floating,
+    check_linear,
     compute_dtype,
     tl,
     triton,
@@ -112,16 +113,7 @@ def _check(hidden, weight, bias, labels, reduction, dw_kernel="cublas", dw_accum
             f"fuser: linear_cross_entropy dw_accumulator must be one of {DW_ACCUMULATORS}, got {dw_accumulator!r}"
         )
     check_floating("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"fuser: linear_cross_entropy expects weight [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
-            f"got {tuple(weight.shape)}"
-        )
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
-        raise ValueError(
-            f"fuser: linear_cross_entropy expects bias [V] = [{weight.shape[0]}] of the weight's dtype {weight.dtype}, "
-            f"got {tuple(bias.shape)} {bias.dtype}"
-        )
+    check_linear("linear_cross_entropy", "hidden", hidden, weight, bias, dims=("V", "H"))
     n_rows = hidden.numel() // max(1, hidden.shape[-1])
     if labels.numel() != n_rows:
         raise ValueError(

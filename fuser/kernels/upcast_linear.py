@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser._dtypes import HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, or_empty, tl, triton, use_triton
+from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, check_linear, or_empty, tl, triton, use_triton
 from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
@@ -41,16 +41,7 @@ _alloc = torch.empty  # the Triton path's output buffers (tests fill them with N
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     # an integer x: eager's F.linear(x.to(weight.dtype), ...) would run, but nothing here is written for it
     check_floating("upcast_linear", x=x, weight=weight, bias=bias)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"fuser: upcast_linear expects weight [out, in] with in = x.shape[-1] = {x.shape[-1]}, "
-            f"got {tuple(weight.shape)}"
-        )
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
-        raise ValueError(
-            f"fuser: upcast_linear expects bias [{weight.shape[0]}] of the weight's dtype {weight.dtype}, "
-            f"got {tuple(bias.shape)} {bias.dtype}"
-        )
+    check_linear("upcast_linear", "x", x, weight, bias)
 
 
 if HAS_TRITON:
