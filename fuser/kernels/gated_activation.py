@@ -199,7 +199,8 @@ def gated_activation_reference_backward(
 
 
 def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) = gate_up.chunk(2, -1): two views, no copy."""
+    """(gate, up) = gate_up.chunk(2, -1) of a packed ``[..., 2I]`` tensor or its ``[rows, 2I]`` row view: two views,
+    no copy."""
     n_cols = gate_up.shape[-1] // 2
     return gate_up[..., :n_cols], gate_up[..., n_cols:]
 
@@ -562,19 +563,6 @@ def gated_activation_backward_triton(
     return grads[0], grads[1], grads[2], grads[3]
 
 
-def _packed_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of a packed ``[..., 2I]`` tensor as ``[rows, I]`` views of one row view."""
-    rows = as_rows(t)
-    n_cols = rows.shape[-1] // 2
-    return rows[:, :n_cols], rows[:, n_cols:]
-
-
-def _packedout_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = out_rows(t)
-    n_cols = rows.shape[-1] // 2
-    return rows[:, :n_cols], rows[:, n_cols:]
-
-
 def gated_activation_packed_forward_triton(
     gate_up: torch.Tensor,
     activation: str,
@@ -591,9 +579,9 @@ def gated_activation_packed_forward_triton(
         gate_up_sum = None
     elif gate_up_sum is None:
         gate_up_sum = _new_empty(gate_up)
-    gate2, up2 = _packed_rows(gate_up)
-    gate_lora2, up_lora2 = _packed_rows(gate_up_lora) if gate_up_lora is not None else (None, None)
-    gate_sum2, up_sum2 = _packedout_rows(gate_up_sum) if gate_up_sum is not None else (None, None)
+    gate2, up2 = _halves(as_rows(gate_up))
+    gate_lora2, up_lora2 = _halves(as_rows(gate_up_lora)) if gate_up_lora is not None else (None, None)
+    gate_sum2, up_sum2 = _halves(out_rows(gate_up_sum)) if gate_up_sum is not None else (None, None)
     _launch_forward(gate2, up2, gate_lora2, up_lora2, out_rows(out), gate_sum2, up_sum2, scale, scale, activation)
     return out, gate_up_sum
 
@@ -615,9 +603,9 @@ def gated_activation_packed_backward_triton(
     dgate_up_lora = None
     if compute_dgate_up_lora:
         dgate_up_lora = dgate_up_lora_out if dgate_up_lora_out is not None else _new_empty(gate_up)
-    g2, u2 = _packed_rows(gate_up)
-    dgate2, dup2 = _packedout_rows(dgate_up) if dgate_up is not None else (None, None)
-    dgate_lora2, dup_lora2 = _packedout_rows(dgate_up_lora) if dgate_up_lora is not None else (None, None)
+    g2, u2 = _halves(as_rows(gate_up))
+    dgate2, dup2 = _halves(out_rows(dgate_up)) if dgate_up is not None else (None, None)
+    dgate_lora2, dup_lora2 = _halves(out_rows(dgate_up_lora)) if dgate_up_lora is not None else (None, None)
     _launch_backward(as_rows(dout), g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, scale, scale, activation)
     return dgate_up, dgate_up_lora
 
