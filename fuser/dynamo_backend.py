@@ -84,6 +84,42 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
     return FuserPostGrad()
 
 
+def _compiling_a_ddp_bucket() -> bool:
+    """Whether Dynamo's DDPOptimizer is compiling one gradient bucket's piece of a DDP model's graph now.
+
+    ``torch.compile`` of a ``DistributedDataParallel`` module with more than one gradient bucket (any model over
+    ``bucket_cap_mb``, 25 MB by default) splits the graph at the bucket borders and compiles each piece with
+    ``TracingContext.fakify_first_call`` set. (Private API: belongs in ``fuser._compat``.)
+    """
+    context = torch._guards.TracingContext.try_get()
+    return bool(context is not None and getattr(context, "fakify_first_call", False))
+
+
+def _empty_for_dropped_outputs(gm: torch.fx.GraphModule, new_gm: torch.fx.GraphModule) -> None:
+    """Where the rewrite made ``new_gm`` return ``None`` for a tensor ``gm`` returned (the logits the fused loss
+    never computes), return a 0-element tensor of its dtype and device instead.
+
+    For a DDP bucket's piece (:func:`_compiling_a_ddp_bucket`) AOT autograd reads ``meta["val"]`` of every
+    forward output, and a ``None`` output fails there (``AttributeError: 'NoneType' object has no attribute
+    'meta'`` in ``FakifiedOutWrapper.pre_compile``); DESIGN.md's fallback, an empty tensor, compiles.
+    """
+    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_out = next(n for n in reversed(new_gm.graph.nodes) if n.op == "output")
+    old_values, new_values = old_out.args[0], new_out.args[0]
+    if not isinstance(new_values, (tuple, list)) or len(old_values) != len(new_values):
+        return
+    values = list(new_values)
+    for i, (old, new) in enumerate(zip(old_values, new_values, strict=True)):
+        example = old.meta.get("example_value", old.meta.get("val")) if isinstance(old, torch.fx.Node) else None
+        if new is None and isinstance(example, torch.Tensor):
+            with new_gm.graph.inserting_before(new_out):
+                values[i] = new_gm.graph.call_function(
+                    torch.empty, ((0,),), {"dtype": example.dtype, "device": example.device}
+                )
+    new_out.args = (type(new_values)(values),)
+    new_gm.recompile()
+
+
 class FuserBackend:
     """``backend(gm, example_inputs)`` as Dynamo calls it; one instance per config (see :func:`backend`)."""
 
@@ -138,6 +174,8 @@ class FuserBackend:
         index = len(self.results) + 1
         log.info("fuser: compiling graph %d (%d nodes)...", index, len(gm.graph.nodes))
         new_gm, result = self.rewrite(gm)
+        if new_gm is not gm and _compiling_a_ddp_bucket():
+            _empty_for_dropped_outputs(gm, new_gm)
         if result is not None:
             self.results.append(result)
         compiled = self._compile(gm, new_gm, example_inputs, result)

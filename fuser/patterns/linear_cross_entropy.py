@@ -15,7 +15,9 @@ sums its two gradients.
 
 A model returns its logits with the loss. In training (gradients wanted), with ``FuserConfig.keep_logits=False``,
 the graph returns ``None`` in their place (``outputs.logits is None``): Dynamo, AOT autograd and Inductor all
-accept a ``None`` graph output, so no placeholder tensor is allocated. With ``keep_logits=True``, or when no
+accept a ``None`` graph output, so no placeholder tensor is allocated; but not in the pieces Dynamo's DDPOptimizer
+splits a DDP model's graph into (a model with several gradient buckets), where the piece returns a 0-element tensor
+instead (``fuser/dynamo_backend.py``). With ``keep_logits=True``, or when no
 gradient is wanted (evaluation), returned logits decline the match and the graph computes them and the loss as
 written; so do logits returned from a nested graph (activation checkpointing), whose outputs are its
 higher-order op's. Declined too: class weights, label smoothing, ``reduction="none"``, soft (probability)
