@@ -5,8 +5,9 @@ What each process runs is ``tests/integrations/_distributed_worker.py``. Judged 
 (``tests/models/tiny.py``, fp32): each rank's losses within 1e-5 relative of the run without fuser, each
 parameter's update over the run within 1e-4 relative (SGD: the update is the learning rate times the gradients,
 so the gradients' tolerance holds for it; FSDP2's parameters gathered with ``full_tensor()``), and what fused
-equal to the same model compiled the same way in one process (``strict=True``: a fallback raises), so a silent
-bypass under sharding fails. fuser compiles through aot_eager (the same fused ops as Inductor, CPU-fast).
+equal to what the same model fuses compiled the same way in one process (pinned below; ``strict=True``: a
+fallback raises), so a silent bypass under sharding fails. fuser compiles through aot_eager (the same fused ops
+as Inductor, CPU-fast).
 """
 
 from __future__ import annotations
