@@ -90,3 +90,16 @@ def statically_equal(a: Any, b: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
+
+
+def compiling_a_ddp_bucket() -> bool:
+    """Whether Dynamo's DDPOptimizer is compiling one gradient bucket's piece of a DDP model's graph now.
+
+    ``torch.compile`` of a ``DistributedDataParallel`` module with more than one gradient bucket (any model over
+    ``bucket_cap_mb``, 25 MB by default) splits the graph at the bucket borders and compiles each piece with
+    ``TracingContext.fakify_first_call`` set (a private attribute: absent, this answers False).
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    return bool(context is not None and getattr(context, "fakify_first_call", False))

@@ -84,22 +84,11 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
     return FuserPostGrad()
 
 
-def _compiling_a_ddp_bucket() -> bool:
-    """Whether Dynamo's DDPOptimizer is compiling one gradient bucket's piece of a DDP model's graph now.
-
-    ``torch.compile`` of a ``DistributedDataParallel`` module with more than one gradient bucket (any model over
-    ``bucket_cap_mb``, 25 MB by default) splits the graph at the bucket borders and compiles each piece with
-    ``TracingContext.fakify_first_call`` set. (Private API: belongs in ``fuser._compat``.)
-    """
-    context = torch._guards.TracingContext.try_get()
-    return bool(context is not None and getattr(context, "fakify_first_call", False))
-
-
 def _empty_for_dropped_outputs(gm: torch.fx.GraphModule, new_gm: torch.fx.GraphModule) -> None:
     """Where the rewrite made ``new_gm`` return ``None`` for a tensor ``gm`` returned (the logits the fused loss
     never computes), return a 0-element tensor of its dtype and device instead.
 
-    For a DDP bucket's piece (:func:`_compiling_a_ddp_bucket`) AOT autograd reads ``meta["val"]`` of every
+    For a DDP bucket's piece (``_compat.compiling_a_ddp_bucket``) AOT autograd reads ``meta["val"]`` of every
     forward output, and a ``None`` output fails there (``AttributeError: 'NoneType' object has no attribute
     'meta'`` in ``FakifiedOutWrapper.pre_compile``); DESIGN.md's fallback, an empty tensor, compiles.
     """
@@ -132,6 +121,7 @@ class FuserBackend:
         # first backward call), and not when a graph comes from Inductor's cache
         self.post_grad_counts: dict[str, int] = {}
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
+        self._warned_ddp_buckets = False
 
     @property
     def counts(self) -> dict[str, int]:
@@ -174,8 +164,10 @@ class FuserBackend:
         index = len(self.results) + 1
         log.info("fuser: compiling graph %d (%d nodes)...", index, len(gm.graph.nodes))
         new_gm, result = self.rewrite(gm)
-        if new_gm is not gm and _compiling_a_ddp_bucket():
-            _empty_for_dropped_outputs(gm, new_gm)
+        if _compat.compiling_a_ddp_bucket():
+            self._warn_ddp_buckets()
+            if new_gm is not gm:
+                _empty_for_dropped_outputs(gm, new_gm)
         if result is not None:
             self.results.append(result)
         compiled = self._compile(gm, new_gm, example_inputs, result)
@@ -219,6 +211,22 @@ class FuserBackend:
             if result is not None:
                 self.results.remove(result)
             return self.compile_inner(gm, example_inputs)
+
+    def _warn_ddp_buckets(self) -> None:
+        """Once per backend: DDP hands fuser its graph in pieces, one per gradient bucket, and a block split
+        between two pieces cannot be matched (and is not reported as declined: neither piece holds all of it)."""
+        if self._warned_ddp_buckets:
+            return
+        self._warned_ddp_buckets = True
+        warnings.warn(
+            "fuser: torch.compile splits this DistributedDataParallel model's graph at its gradient-bucket borders "
+            "(Dynamo's DDPOptimizer), and a block whose ops land in two buckets, such as a gated MLP's gate and up "
+            "projections, is not fused. fuser.report(model).counts shows what fused. To fuse across the borders, "
+            "set torch._dynamo.config.optimize_ddp = False before compiling (one graph; DDP's all-reduce then "
+            "starts after the backward instead of overlapping it), or raise DDP's bucket_cap_mb.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def report(self) -> Report:
         """What this backend fused so far: counts, graphs, matches and near-misses of every graph it compiled."""

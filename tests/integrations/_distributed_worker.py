@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -137,12 +138,14 @@ def train(scenario: str, config) -> dict:
         # applies to the updates as it is (Adam divides by a running gradient norm, which amplifies noise)
         optimizer = torch.optim.SGD([p for p in run.parameters() if p.requires_grad], lr=1.0)
         losses = []
-        for data in batches(dist.get_rank()):
-            loss = run(**data).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().item())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for data in batches(dist.get_rank()):
+                loss = run(**data).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach().item())
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket
     backend = fuser.backend(config) if config is not None else None
@@ -152,6 +155,8 @@ def train(scenario: str, config) -> dict:
         "params": full_params(model),
         "counts": counts,
         "graphs": len(backend.results) if backend else 0,
+        # fuser's own warnings (the DDP-bucket one), each message once
+        "warnings": sorted({str(w.message) for w in caught if str(w.message).startswith("fuser:")}),
     }
 
 

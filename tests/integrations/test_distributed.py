@@ -82,6 +82,11 @@ def test_ddp_trains_like_eager(tmp_path):
     results = run_scenarios(["ddp_buckets", "ddp_lora"], tmp_path)
     # several buckets: each piece compiles (the fused loss's dropped logits used to fail AOT autograd there)
     assert results["ddp_buckets"]["fuser"]["graphs"] > 1
+    # ... and fuser says so once: a block split between two pieces is not fused, and no near-miss can show it
+    assert [w for w in results["ddp_buckets"]["fuser"]["warnings"] if "gradient-bucket borders" in w], results[
+        "ddp_buckets"
+    ]["fuser"]["warnings"]
+    assert not results["ddp_lora"]["fuser"]["warnings"]  # one bucket: one graph, nothing to say
     assert_trains_like_eager("ddp_buckets", results["ddp_buckets"], SPLIT_BY_BUCKETS)
     assert results["ddp_lora"]["fuser"]["graphs"] == 1
     assert_trains_like_eager("ddp_lora", results["ddp_lora"], WHOLE)
