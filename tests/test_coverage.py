@@ -1,0 +1,85 @@
+"""CI's slice of the coverage harness (benchmarks/coverage.py, issue 20): on tiny models of several families, every
+block the eager model runs is fused where fuser covers the architecture today, and no block is matched more often
+than the eager model runs it (a false match) anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.tiny import load_benchmark
+
+# fully fused today: every RMSNorm, rotary application, gated MLP and the lm_head loss the eager model runs
+FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe"]
+# something is known not to fuse: the block, and why
+PARTIAL = {
+    "deepseek_v2": "rope",  # rotary through view_as_complex: no rope form covers complex multiplication
+    "gpt2": "loss",  # a logger call breaks the graph between lm_head and the loss
+}
+# what the eager models run (2 layers): guards the harness's own counting, without which every block would read
+# "absent" and pass
+EAGER = {
+    "llama": {"norm": 5, "rope": 2, "gated": 2, "loss": 1},
+    "qwen3": {"norm": 9, "rope": 2, "gated": 2, "loss": 1},
+    "phi3": {"norm": 5, "rope": 2, "gated": 2, "loss": 1},  # packed gate_up_proj
+    "gpt_neox": {"norm": 0, "rope": 2, "gated": 0, "loss": 1},  # LayerNorm, un-gated GELU MLP
+    "gpt2": {"norm": 0, "rope": 0, "gated": 0, "loss": 1},
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Toy sizes gain nothing from threads, and on a busy 2-core machine OpenMP's spinning makes them 100× slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def coverage():
+    return load_benchmark("coverage")
+
+
+def _record(coverage, model_type: str) -> dict:
+    record = coverage.run_one(model_type)
+    assert record["status"] == "ok", f"{model_type}: {record.get('reason')}"
+    return record
+
+
+def _no_false_match(coverage, record: dict) -> None:
+    over = {b: c["text"] for b, c in record["blocks"].items() if c["status"] == "over"}
+    assert not over, f"{record['model_type']}: fuser matched more than the eager model runs: {over}"
+
+
+@pytest.mark.parametrize("model_type", FULLY_FUSED)
+def test_every_block_the_eager_model_runs_is_fused(coverage, model_type):
+    record = _record(coverage, model_type)
+    _no_false_match(coverage, record)
+    if model_type in EAGER:
+        assert {b: c["eager"] for b, c in record["blocks"].items()} == EAGER[model_type]
+    not_fused = {b: c["text"] for b, c in record["blocks"].items() if c["status"] not in ("fused", "absent")}
+    assert not not_fused, f"{model_type}: {not_fused}"
+    assert coverage.fully_fused(record)
+
+
+@pytest.mark.parametrize("model_type", sorted(PARTIAL))
+def test_known_misses_are_reported_and_nothing_is_over_matched(coverage, model_type):
+    record = _record(coverage, model_type)
+    _no_false_match(coverage, record)
+    if model_type in EAGER:
+        assert {b: c["eager"] for b, c in record["blocks"].items()} == EAGER[model_type]
+    block = record["blocks"][PARTIAL[model_type]]
+    assert block["status"] == "partial", block
+    assert not coverage.fully_fused(record)
+    assert coverage.why_not(record), "a model not fully fused must say why"
+
+
+def test_verdict_cells():
+    coverage = load_benchmark("coverage")
+    assert coverage.verdict(2, 2, [])["status"] == "fused"
+    assert coverage.verdict(0, 0, [])["status"] == "absent"
+    assert coverage.verdict(2, 3, [])["status"] == "over"
+    assert coverage.verdict(0, 1, [])["status"] == "over"
+    cell = coverage.verdict(2, 1, ["the product is also used by mul_3"])
+    assert cell["status"] == "partial" and "also used" in cell["text"]
