@@ -141,7 +141,12 @@ TINY: dict[str, Any] = {
     "linear_num_key_heads": 2,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
-    "mamba_n_heads": 4,
+    "mamba_n_heads": 8,  # × mamba_d_head = mamba_expand × hidden
+    "mamba_chunk_size": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "qk_head_dim": 16,  # MLA: nope + rope
+    "num_expert_group": 1,
     "mamba_d_head": 16,
     "mamba_head_dim": 16,
     "mamba_d_state": 16,
@@ -203,9 +208,10 @@ def _shrink(config_cls: type, base: Any = None) -> Any:
             fields[key] = (kinds + value)[:LAYERS] if len(kinds) >= LAYERS else value[:LAYERS]
         elif isinstance(value, str) and len(value) > LAYERS:
             fields[key] = value[:LAYERS]
-    sub = getattr(default, "text_config", None)
-    if sub is not None and hasattr(sub, "to_dict"):
-        fields["text_config"] = _shrink(type(sub), sub).to_dict()
+    for key in have:  # nested configs (text_config, a dbrx's ffn_config, blt's encoder/decoder/patcher) too
+        sub = getattr(default, key, None)
+        if key not in MEDIA_CONFIGS and hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
+            fields[key] = _shrink(type(sub), sub).to_dict()
     return config_cls(**{**have, **fields}) if base is not None else config_cls(**fields)
 
 
@@ -215,6 +221,7 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     from transformers import CONFIG_MAPPING
 
     config = _shrink(CONFIG_MAPPING[model_type])
+    config.use_cache = False  # a training forward: no KV cache (and hybrids without attention layers need none)
     cls = getattr(transformers, _causal_lm_classes()[model_type])
     torch.manual_seed(seed)
     try:
@@ -318,11 +325,11 @@ def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, i
     counter: Counter = Counter()
     handles = []
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for module in model.modules():
-        if _is_rms_norm_module(module):
-            handles.append(module.register_forward_hook(lambda *_: counter.update(["norm"])))
-        elif _is_gated_mlp_module(module):
-            handles.append(module.register_forward_hook(lambda *_: counter.update(["gated"])))
+    for block, test in (("norm", _is_rms_norm_module), ("gated", _is_gated_mlp_module)):
+        for module in [m for m in model.modules() if test(m)]:
+            if not any(test(d) for d in module.modules() if d is not module):
+                # the innermost only: a wrapper such as a gated norm around an RMSNorm module counts once
+                handles.append(module.register_forward_hook(lambda *_, b=block: counter.update([b])))
     if head is not None:
         handles.append(head.register_forward_hook(lambda *_: counter.update(["head"])))
     try:
