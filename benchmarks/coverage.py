@@ -170,7 +170,15 @@ TINY: dict[str, Any] = {
 # fields set only when the default is not None (None there means "feature off")
 TINY_IF_SET = {"q_lora_rank": 32, "sliding_window": 16, "attention_chunk_size": 16}
 # special tokens above the tiny vocabulary are moved into it
-TOKEN_FIELDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
+TOKEN_FIELDS = {
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+    "cls_token_id": 1,
+    "sep_token_id": 2,
+    "mask_token_id": 3,
+}
 MEDIA_CONFIGS = ("vision_config", "audio_config", "vq_config", "audio_encoder_config", "vision_tower_config")
 
 
@@ -186,7 +194,7 @@ def _shrink(config_cls: type, base: Any = None) -> Any:
         if key in have and not isinstance(have[key], (list, dict)):
             if key in TINY_IF_SET and have[key] is None:
                 continue
-            if isinstance(have[key], bool):
+            if isinstance(have[key], bool) or (isinstance(value, float) and isinstance(have[key], int)):
                 continue
             fields[key] = value
     for key, value in TINY_IF_SET.items():
@@ -223,6 +231,9 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     config = _shrink(CONFIG_MAPPING[model_type])
     config.use_cache = False  # a training forward: no KV cache (and hybrids without attention layers need none)
     cls = getattr(transformers, _causal_lm_classes()[model_type])
+    text = getattr(config, "text_config", None)
+    if text is not None and not isinstance(config, getattr(cls, "config_class", type(config))):
+        config = text  # a composite model type whose causal-LM class is its text model's
     torch.manual_seed(seed)
     try:
         model = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
@@ -268,17 +279,29 @@ def _is_rms_norm_module(module: torch.nn.Module) -> bool:
     if "norm" not in name or isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         return False
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(type(module))  # forward and the helpers it calls (a ``_norm``)
     except (OSError, TypeError):
         return False
     rms = any(s in source for s in ("rsqrt", "** -0.5", "**-0.5", "pow(-0.5", "rms_norm"))
-    centred = any(s in source for s in ("- mean", "-mean", "- u)", "layer_norm", ".mean(-1, keepdim=True)\n"))
+    centred = any(s in source for s in ("- mean", "-mean", "- u)", "layer_norm"))
     return rms and not centred and ("mean" in source or "sum" in source or "rms_norm" in source)
 
 
 def _is_gated_mlp_module(module: torch.nn.Module) -> bool:
     names = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
-    return "gate_up_proj" in names or {"gate_proj", "up_proj"} <= names or {"w1", "w3"} <= names
+    if "gate_up_proj" in names or {"gate_proj", "up_proj"} <= names or {"w1", "w3"} <= names:
+        return True
+    if {"input_linear", "output_linear"} <= names and not {"w1", "w2"} & names:  # Granite: packed, chunked in two
+        return True
+    cls = type(module).__name__.lower()
+    children = [c for c in module.children() if isinstance(c, torch.nn.Linear)]
+    linears = len(children)
+    if linears == 2 and "norm" not in cls:  # packed: one linear of 2 × the other's input, as ModernBERT's Wi, Wo
+        a, b = children
+        if a.out_features == 2 * b.in_features and b.out_features == a.in_features:
+            return True
+    feed_forward = any(w in cls for w in ("mlp", "ffn", "feedforward", "dense", "act"))  # not GatedDeltaNet
+    return ("glu" in cls or ("gated" in cls and feed_forward)) and "norm" not in cls and linears >= 2  # CpmAnt
 
 
 @contextlib.contextmanager
@@ -291,13 +314,14 @@ def _count_rotary_calls(model: torch.nn.Module, counter: Counter):
 
     def wrap(fn):
         def counted(*args, **kwargs):
-            if depth[0] == 0:
-                counter["rope"] += 1
             depth[0] += 1
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
+            if depth[0] == 0:  # rotated tensors: q and k of one call are 2
+                counter["rope"] += sum(isinstance(t, torch.Tensor) for t in out) if isinstance(out, tuple) else 1
+            return out
 
         return counted
 
@@ -320,14 +344,18 @@ def _count_rotary_calls(model: torch.nn.Module, counter: Counter):
             setattr(owner, name, fn)
 
 
-def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, int], Any]:
-    """What one eager forward with labels runs: RMSNorms, rotary applications, gated MLPs, an lm_head loss."""
+def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    """What one eager forward with labels runs: RMSNorms, rotary applications, gated MLPs, an lm_head loss (and
+    ``gated_modules``, the paths of the gated MLP modules that ran)."""
     counter: Counter = Counter()
     handles = []
+    ran_gated: set[str] = set()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for block, test in (("norm", _is_rms_norm_module), ("gated", _is_gated_mlp_module)):
-        for module in [m for m in model.modules() if test(m)]:
+        for path, module in [(p, m) for p, m in model.named_modules() if test(m)]:
             if not any(test(d) for d in module.modules() if d is not module):
+                if block == "gated":
+                    handles.append(module.register_forward_hook(lambda *_, p=path: ran_gated.add(p)))
                 # the innermost only: a wrapper such as a gated norm around an RMSNorm module counts once
                 handles.append(module.register_forward_hook(lambda *_, b=block: counter.update([b])))
     if head is not None:
@@ -341,6 +369,7 @@ def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, i
     loss = getattr(out, "loss", None)
     counts = {b: counter[b] for b in ("norm", "rope", "gated")}
     counts["loss"] = int(loss is not None and counter["head"] > 0)
+    counts["gated_modules"] = sorted(ran_gated)
     return counts, out
 
 
@@ -367,15 +396,26 @@ def _shorten(reason: str, limit: int = 110) -> str:
 
 
 def fuser_counts(
-    model: torch.nn.Module, ids: torch.Tensor, config: Any = None
-) -> tuple[dict[str, int], dict[str, list[str]], Any]:
+    model: torch.nn.Module, ids: torch.Tensor, config: Any = None, gated_modules: list[str] | None = None
+) -> tuple[dict[str, Any], dict[str, list[str]], Any]:
     """fuser.explain's counts per block, its near-miss reasons per block (distinct, shortened), and the report;
-    ``config`` a ``FuserConfig`` (None: the default)."""
+    ``config`` a ``FuserConfig`` (None: the default). With ``gated_modules`` (the eager gated MLPs' paths), a gated
+    match outside them (a gated norm's ``norm(x) * silu(z)`` or a recurrent block's ``act(y) * x`` feeding a
+    linear: the product fuser's op computes, but no MLP) is counted apart, under ``gated_elsewhere``."""
     import fuser
 
     torch._dynamo.reset()
     report = fuser.explain(model, input_ids=ids, labels=ids, config=config)
     counts = {b: sum(report.counts.get(p, 0) for p in PATTERNS_OF[b]) for b in BLOCKS}
+    # rope in rotated tensors, as eager is counted: an op that rotates q and k together is 2
+    counts["rope"] = sum(_rotated_tensors(m) for m in report.matches if m.pattern == "rope")
+    counts["gated_elsewhere"] = []
+    if gated_modules is not None:
+        inside = tuple(gated_modules) + tuple(p + "." for p in gated_modules)
+        for m in report.matches:
+            if m.pattern in PATTERNS_OF["gated"] and not (m.module in gated_modules or m.module.startswith(inside)):
+                counts["gated"] -= 1
+                counts["gated_elsewhere"].append(m.module)
     reasons: dict[str, list[str]] = {b: [] for b in BLOCKS}
     for nm in report.near_misses:
         for b in BLOCKS:
@@ -384,6 +424,14 @@ def fuser_counts(
                 if text not in reasons[b]:
                     reasons[b].append(text)
     return counts, reasons, report
+
+
+def _rotated_tensors(match: Any) -> int:
+    """1 or 2: a rope op rotates q and k together, or one tensor alone (its partner argument an ``EmptyLike``)."""
+    from fuser.patterns.base import EmptyLike
+
+    args = getattr(match.replacement, "args", ())
+    return 1 if len(args) > 1 and isinstance(args[1], EmptyLike) else 2 if len(args) > 1 else 1
 
 
 def verdict(eager: int, fused: int, reasons: list[str]) -> dict[str, Any]:
@@ -440,7 +488,7 @@ def run_one(model_type: str, with_train_check: bool = False, config: Any = None)
         stage = "eager forward"
         eager, _ = eager_counts(model, ids)
         stage = "fuser.explain"
-        fused, reasons, report = fuser_counts(model, ids, config)
+        fused, reasons, report = fuser_counts(model, ids, config, eager["gated_modules"])
     except Exception as error:  # recorded, the run goes on
         text = _shorten(f"{type(error).__name__}: {error}", 200)
         return {**record, "status": "failed", "reason": f"{stage}: {text}", "traceback": traceback.format_exc()[-2000:]}
@@ -449,6 +497,9 @@ def run_one(model_type: str, with_train_check: bool = False, config: Any = None)
         for b in BLOCKS
     }
     record.update(status="ok", blocks=blocks, counts=dict(report.counts), graph_breaks=report.graph_breaks)
+    if fused["gated_elsewhere"]:
+        record["gated_elsewhere"] = fused["gated_elsewhere"]
+        blocks["gated"]["text"] += f" (+{len(fused['gated_elsewhere'])} outside an MLP)"
     record["variants"] = sorted({f"{m.pattern}:{m.variant}" for m in report.matches})
     if with_train_check:
         try:
