@@ -21,8 +21,9 @@ reason; a build or forward that fails is recorded with its error. Each buildable
   block — a false match, or a form this harness does not count (the report lists them; the total must be 0).
 
 With ``--train-check``: one fp32 training step through ``fuser.optimize(model, FuserConfig(inner_compiler=
-"aot_eager"))`` against eager, loss and every parameter gradient within 1e-4 relative (norm of the difference
-over the norm of eager's, as tests/models do): ``equal`` / ``not equal`` / the error.
+"aot_eager", strict=True))`` (strict: a failed rewrite raises instead of running unfused) against eager, loss
+and every parameter gradient within 1e-4 relative (norm of the difference over the norm of eager's, as
+tests/models do): ``equal`` / ``not equal`` / the error.
 
     python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_2026-12-01.md          # every type
     python benchmarks/coverage.py --only llama,qwen3,gemma2 --out /tmp/coverage.md --train-check
@@ -452,7 +453,7 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
 
     def step(m: torch.nn.Module, compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         m = copy.deepcopy(m)
-        run = fuser.optimize(m, fuser.FuserConfig(inner_compiler="aot_eager")) if compiled else m
+        run = fuser.optimize(m, fuser.FuserConfig(inner_compiler="aot_eager", strict=True)) if compiled else m
         loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach(), {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}

@@ -179,14 +179,21 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
     pairs_to_halves = form.layout == "pairs_to_halves"
     cos_width = rotary_dim // 2 if pairs_to_halves else rotary_dim
+    # [B, H, T, D] with cos/sin [B|1, 1, T, R] (unsqueeze_dim=1, most models), or [B, T, H, D] with cos/sin
+    # [B|1, T, 1, R] (unsqueeze_dim=2: GPT-J, CodeGen, the DeepSeek-V3.2 indexer): the op runs on the
+    # [B, H, T, D] view of the latter and its output is viewed back
+    heads_second = _broadcast_over(b["cos"], 1) and _broadcast_over(b["sin"], 1)
+    heads_third = not heads_second and _broadcast_over(b["cos"], 2) and _broadcast_over(b["sin"], 2)
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
         if t.dim() != 4 or t.shape[-1] != cos_width:
             raise Decline(
                 f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (4-D, last dim)"
             )
-        if not (isinstance(t.shape[1], int) and t.shape[1] == 1):
-            raise Decline(f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R]")
+        if not (heads_second or heads_third):
+            raise Decline(
+                f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
+            )
         if t.dtype not in FLOAT_DTYPES:
             raise Decline(f"{name} is {t.dtype}: the fused op reads {name} of {_dtype_names()}")
         if t.requires_grad:
@@ -208,11 +215,27 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         cos, sin = b["cos"], b["sin"]
+    if heads_third:
+        if pairs_to_halves:
+            raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the pairs-to-halves form")
+        x, cos, sin = Transposed12(b["x"]), Transposed12(cos), Transposed12(sin)
+        return Replacement(
+            torch.ops.fuser.rope.default,
+            (x, EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
+            output_index=0,
+            output_adapter=transposed_back,
+        )
     return Replacement(
         torch.ops.fuser.rope.default,
         (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
         output_index=0,
     )
+
+
+def _broadcast_over(node: Node, dim: int) -> bool:
+    """Whether ``node``'s tensor has size 1 at ``dim`` (broadcast over the heads there)."""
+    shape = tensor_meta(node).shape
+    return len(shape) == 4 and isinstance(shape[dim], int) and shape[dim] == 1
 
 
 def _dtype_names() -> str:
