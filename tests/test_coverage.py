@@ -10,7 +10,7 @@ import torch
 from tests.models.tiny import load_benchmark
 
 # fully fused today: every RMSNorm, rotary application, gated MLP and the lm_head loss the eager model runs
-FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe"]
+FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe", "gptj"]
 # something is known not to fuse: the block, and why
 PARTIAL = {
     "deepseek_v2": "rope",  # rotary through view_as_complex: no rope form covers complex multiplication
@@ -24,6 +24,7 @@ EAGER = {
     "phi3": {"norm": 5, "rope": 4, "gated": 2, "loss": 1},  # packed gate_up_proj
     "gpt_neox": {"norm": 0, "rope": 4, "gated": 0, "loss": 1},  # LayerNorm, un-gated GELU MLP
     "gpt2": {"norm": 0, "rope": 0, "gated": 0, "loss": 1},
+    "gptj": {"norm": 0, "rope": 4, "gated": 0, "loss": 1},  # [B, T, H, D] with cos/sin unsqueezed on dim 2
 }
 
 
@@ -73,6 +74,12 @@ def test_known_misses_are_reported_and_nothing_is_over_matched(coverage, model_t
     assert block["status"] == "partial", block
     assert not coverage.fully_fused(record)
     assert coverage.why_not(record), "a model not fully fused must say why"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gptj"])
+def test_training_step_through_fuser_equals_eager(coverage, model_type):
+    """The harness's --train-check (strict, aot_eager): loss and every gradient within 1e-4 of eager."""
+    assert coverage.train_check(coverage.build(model_type), coverage.batch()) == "equal"
 
 
 def test_verdict_cells():
