@@ -1,8 +1,7 @@
 """What the fused ops share around their kernels: the Triton import itself; when an op takes its Triton path
 (:func:`triton_runs`) and the call of one path or the other (:func:`dispatch`); the reference compute dtype; the
 dtype check every public op makes of its tensor arguments, and the weight and bias check of the ops that apply a
-linear layer; the ``[rows, n_cols]`` views the row-wise kernels read
-and write.
+linear layer; the ``[rows, n_cols]`` views the row-wise kernels read and write.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
 ``with triton_on_cpu():`` while ``TRITON_INTERPRET=1`` is set (Triton reads it when it is first imported): then

@@ -179,25 +179,28 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
     pairs_to_halves = form.layout == "pairs_to_halves"
     cos_width = rotary_dim // 2 if pairs_to_halves else rotary_dim
-    # [B, H, T, D] with cos/sin [B|1, 1, T, R] (unsqueeze_dim=1, most models), or [B, T, H, D] with cos/sin
-    # [B|1, T, 1, R] (unsqueeze_dim=2: GPT-J, CodeGen, the DeepSeek-V3.2 indexer): the op runs on the
-    # [B, H, T, D] view of the latter and its output is viewed back
-    heads_second = _broadcast_over(b["cos"], 1) and _broadcast_over(b["sin"], 1)
-    heads_third = not heads_second and _broadcast_over(b["cos"], 2) and _broadcast_over(b["sin"], 2)
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
         if t.dim() != 4 or t.shape[-1] != cos_width:
             raise Decline(
                 f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (4-D, last dim)"
             )
-        if not (heads_second or heads_third):
-            raise Decline(
-                f"{name} varies over heads (shape {tuple(t.shape)}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
-            )
         if t.dtype not in FLOAT_DTYPES:
             raise Decline(f"{name} is {t.dtype}: the fused op reads {name} of {_dtype_names()}")
         if t.requires_grad:
             raise Decline(f"{name} requires grad (trained rotary frequencies): the fused op computes none for it")
+    # [B, H, T, D] with cos/sin [B|1, 1, T, R] (unsqueeze_dim=1, most models), or [B, T, H, D] with cos/sin
+    # [B|1, T, 1, R] (unsqueeze_dim=2: GPT-J, CodeGen, the DeepSeek-V3.2 indexer): the op runs on the
+    # [B, H, T, D] view of the latter and its output is viewed back
+    heads_second = _broadcast_over(b["cos"], 1) and _broadcast_over(b["sin"], 1)
+    heads_third = not heads_second and _broadcast_over(b["cos"], 2) and _broadcast_over(b["sin"], 2)
+    if not (heads_second or heads_third):
+        shapes = tuple(tensor_meta(b["cos"]).shape), tuple(tensor_meta(b["sin"]).shape)
+        raise Decline(
+            f"cos/sin vary over heads (shapes {shapes[0]}, {shapes[1]}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
+        )
+    if heads_third and pairs_to_halves:
+        raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the pairs-to-halves form")
     if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
     # eager's x*cos + rotate(x)*sin promotes: bf16 q (an autocast linear) and fp32 cos/sin give fp32. Every
@@ -215,20 +218,14 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         cos, sin = b["cos"], b["sin"]
+    x, adapter = b["x"], None
     if heads_third:
-        if pairs_to_halves:
-            raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the pairs-to-halves form")
-        x, cos, sin = Transposed12(b["x"]), Transposed12(cos), Transposed12(sin)
-        return Replacement(
-            torch.ops.fuser.rope.default,
-            (x, EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
-            output_index=0,
-            output_adapter=transposed_back,
-        )
+        x, cos, sin, adapter = Transposed12(x), Transposed12(cos), Transposed12(sin), transposed_back
     return Replacement(
         torch.ops.fuser.rope.default,
-        (b["x"], EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
+        (x, EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
         output_index=0,
+        output_adapter=adapter,
     )
 
 
