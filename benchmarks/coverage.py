@@ -4,8 +4,9 @@ Every model type of ``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM
 from its config class (random weights, fp32, CPU: 2 layers, hidden 64, 4 heads of 16, 2 kv heads, intermediate
 128, vocab 512, 4 experts of which 2 per token, windows and chunks of 16; ``TINY`` holds every field set, and only
 the fields a config has are set). Types whose causal-LM class needs pixel or audio inputs are skipped with the
-reason; a build or forward that fails is recorded with its error. Each buildable model, in a subprocess of its own
-(``--timeout`` seconds; one hang or crash does not stop the run):
+reason; a build or forward that fails is recorded with its error. The types run in subprocesses of 16 each (a
+type past ``--timeout`` seconds is stopped by an alarm; one that crashes or hangs its subprocess is run again
+alone), and each buildable model:
 
 - runs one eager forward with labels and counts what it executes: RMSNorm modules (forward hooks on modules
   whose class name says RMSNorm, or a Norm module whose forward's source takes an rsqrt / ``** -0.5`` / rms_norm
@@ -23,7 +24,8 @@ reason; a build or forward that fails is recorded with its error. Each buildable
 With ``--train-check``: one fp32 training step through ``fuser.optimize(model, FuserConfig(inner_compiler=
 "aot_eager", strict=True))`` (strict: a failed rewrite raises instead of running unfused) against eager, loss
 and every parameter gradient within 1e-4 relative (norm of the difference over the norm of eager's, as
-tests/models do): ``equal`` / ``not equal`` / the error.
+tests/models do; over ``GRAD_FLOOR`` of the whole gradient's norm where a gradient's own norm is smaller):
+``equal`` / ``not equal`` / the error.
 
     python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_2026-12-01.md          # every type
     python benchmarks/coverage.py --only llama,qwen3,gemma2 --out /tmp/coverage.md --train-check

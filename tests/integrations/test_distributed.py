@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.integrations import _distributed_worker as worker
+from tests.models.tiny import rel
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -51,11 +52,6 @@ def run_scenarios(scenarios: list[str], tmp_path) -> dict:
     out = tmp_path / "results.pt"
     mp.spawn(worker.main, args=(WORLD, _free_port(), scenarios, str(out)), nprocs=WORLD, join=True)
     return torch.load(out, weights_only=False)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def assert_trains_like_eager(name: str, result: dict, expected_counts: dict[str, int]) -> None:
