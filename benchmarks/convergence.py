@@ -107,6 +107,7 @@ class RunSpec:
     dtype: torch.dtype
     patterns: tuple[str, ...] | None = None  # None: FuserConfig's default
     inner: str | None = None  # None: the caller's fuser_inner_compiler
+    options: tuple[tuple[str, str, bool], ...] = ()  # (FuserConfig field, its option, value): ``set=`` options
 
     @property
     def diagnostic(self) -> bool:
@@ -114,7 +115,8 @@ class RunSpec:
 
 
 def parse_run(spec: str | RunSpec) -> RunSpec:
-    """A RunSpec from ``name[:option=value]...``; options only on fuser runs: ``patterns=`` and ``inner=``."""
+    """A RunSpec from ``name[:option=value]...``; options only on fuser runs: ``patterns=``, ``inner=`` and
+    ``set=field.option=true|false`` (a pattern's boolean option, e.g. ``set=gated_mlp.backward_in_place=false``)."""
     if isinstance(spec, RunSpec):
         return spec
     base, *options = spec.split(":")
@@ -122,17 +124,26 @@ def parse_run(spec: str | RunSpec) -> RunSpec:
         raise ValueError(f"unknown run {base!r}; choose from {list(RUNS)}")
     how, dtype = RUNS[base]
     patterns = inner = None
+    settings: list[tuple[str, str, bool]] = []
     for option in options:
         key, sep, value = option.partition("=")
-        if how != "fuser" or not sep or key not in ("patterns", "inner"):
-            raise ValueError(f"run {spec!r}: unknown option {option!r} (fuser runs take patterns=... and inner=...)")
-        if key == "inner":
+        if how != "fuser" or not sep or key not in ("patterns", "inner", "set"):
+            raise ValueError(
+                f"run {spec!r}: unknown option {option!r} (fuser runs take patterns=..., inner=... and set=...)"
+            )
+        if key == "set":
+            path, sep, flag = value.partition("=")
+            field, dot, name = path.partition(".")
+            if not (sep and dot) or flag not in ("true", "false"):
+                raise ValueError(f"run {spec!r}: set takes field.option=true|false, got {value!r}")
+            settings.append((field, name, flag == "true"))
+        elif key == "inner":
             if value not in ("inductor", "aot_eager", "eager"):
                 raise ValueError(f"run {spec!r}: inner must be inductor, aot_eager or eager")
             inner = value
         else:
             patterns = parse_patterns(value)
-    return RunSpec(spec, base, how, dtype, patterns, inner)
+    return RunSpec(spec, base, how, dtype, patterns, inner, tuple(settings))
 
 
 def parse_patterns(value: str) -> tuple[str, ...]:
@@ -336,7 +347,12 @@ def train(
     elif spec.how == "fuser":
         import fuser
 
-        config = fuser.FuserConfig(patterns=spec.patterns, inner_compiler=spec.inner or fuser_inner_compiler)
+        sections: dict[str, dict[str, bool]] = {}
+        for field, name, value in spec.options:
+            sections.setdefault(field, {})[name] = value
+        config = fuser.FuserConfig(
+            patterns=spec.patterns, inner_compiler=spec.inner or fuser_inner_compiler, **sections
+        )
         backend = fuser.backend(config)
         counts_before = Counter(backend.counts)
         step_model = fuser.optimize(model, backend.config)

@@ -232,9 +232,10 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     out_p = _out_p(n_out)
     cfg = _config("dw", x.device)
     block_m = cfg["BLOCK_M"]
-    # the rows in a fixed number of splits (a function of the shapes; at least 8 row blocks each), each summed by
-    # one program per column block; the partial sums are added in a fixed order (deterministic)
-    max_splits = max(1, min(cfg.pop("SPLITS"), triton.cdiv(n_rows, 8 * block_m)))
+    # the rows in a fixed number of splits (a function of the shapes; at least MIN_SPLIT_BLOCKS row blocks each),
+    # each summed by one program per column block; the partial sums are added in a fixed order (deterministic)
+    min_blocks = cfg.pop("MIN_SPLIT_BLOCKS", 8)
+    max_splits = max(1, min(cfg.pop("SPLITS"), triton.cdiv(n_rows, min_blocks * block_m)))
     rows_per_split, splits = _even_splits(n_rows, max_splits, block_m)
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
