@@ -124,7 +124,6 @@ if HAS_TRITON:
         rstd_ptr,
         r_ptr,
         sum_ptr,
-        wide_ptr,
         x_row_stride,
         y_row_stride,
         r_row_stride,
@@ -136,7 +135,6 @@ if HAS_TRITON:
         NORM_CAST: tl.constexpr,
         STORE_RSTD: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
-        STORE_WIDE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -149,8 +147,6 @@ if HAS_TRITON:
         if HAS_RESIDUAL:  # x + r in fp32, stored rounded (sum_ptr: contiguous, y's shape); the norm is of the fp32 sum
             x += tl.load(r_ptr + rows[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(sum_ptr + rows[:, None] * n_cols + cols[None, :], x.to(sum_ptr.dtype.element_ty), mask=mask)
-            if STORE_WIDE:  # and unrounded (wide_ptr: contiguous fp32): the next add's x_wide
-                tl.store(wide_ptr + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
         # compute rstd
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
         if STORE_RSTD:
@@ -262,12 +258,10 @@ def rms_norm_forward_triton(
     rstd: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
-    wide_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN;
     ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd. With ``residual`` (x's
-    shape) the norm is of ``x + residual`` in fp32, and ``sum_out`` (contiguous, x's shape) receives that sum
-    rounded to its dtype, ``wide_out`` (contiguous fp32, x's shape; only with ``residual``) unrounded."""
+    shape) the norm is of ``x + residual`` in fp32, and ``sum_out`` (contiguous, x's shape) receives that sum."""
     n_cols = x.shape[-1]
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else None
@@ -286,7 +280,6 @@ def rms_norm_forward_triton(
             rstd if rstd is not None else y2,
             r2 if r2 is not None else x2,
             sum_out if sum_out is not None else y2,
-            wide_out if wide_out is not None else y2,
             x2.stride(0),
             y2.stride(0),
             r2.stride(0) if r2 is not None else 0,
@@ -298,7 +291,6 @@ def rms_norm_forward_triton(
             NORM_CAST=_NORM_CAST_CODE[norm_dtype],
             STORE_RSTD=rstd is not None,
             HAS_RESIDUAL=r2 is not None,
-            STORE_WIDE=r2 is not None and wide_out is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -486,41 +478,23 @@ def add_rms_norm_op(
     offset: float,
     norm_dtype: torch.dtype | None,
     out_dtype: torch.dtype | None,
-    x_wide: torch.Tensor | None = None,
-    wide_out: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
-    x's dtype, h in fp32 or an empty tensor). y is the norm of the unrounded h, as Inductor computes a norm fused
-    with the add and its cast; the rounded h is the residual stream's next value, and what backward reads.
-    ``residual``: x's shape, fp32 or x's dtype (a LoRA sum kept in fp32, issue 16).
-
-    ``x_wide`` (fp32, x's shape): the unrounded value ``x`` is the rounding of (the previous add's fp32 h): the
-    sum is ``x_wide + residual``, and the gradient goes to ``x`` (``x_wide`` takes none). ``wide_out``: also
-    return the fp32 h (not differentiable: its rounding carries the gradient), for the next add's ``x_wide``. A
-    residual stream carried so keeps the LoRA terms its bf16 roundings would erase, as a model trained in fp32
-    does."""
+    x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
+    rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, fp32 or x's
+    dtype (a LoRA sum kept in fp32, issue 16)."""
     check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
     _check_residual(x, residual)
-    if x_wide is not None:
-        _check_wide(x, x_wide)
     out_dtype = out_dtype or x.dtype
-    source = x if x_wide is None else x_wide
     if _triton_runs(x):
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        wide = torch.empty(x.shape if wide_out else (0,), dtype=torch.float32, device=x.device)
-        y = rms_norm_forward_triton(source, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd,
-                                    residual=residual, sum_out=h, wide_out=wide if wide_out else None)  # fmt: skip
-        return y, rstd, h, wide
-    wide = source.to(torch.float32) + residual.to(torch.float32)
+        y = rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd, residual=residual,
+                                    sum_out=h)  # fmt: skip
+        return y, rstd, h
+    wide = x.to(torch.float32) + residual.to(torch.float32)
     y = rms_norm_reference_forward(wide, weight, eps, offset, norm_dtype, out_dtype).contiguous()
-    h = wide.to(x.dtype).contiguous()
-    return (
-        y,
-        rms_norm_reference_rstd(wide, eps).float(),
-        h,
-        wide.contiguous() if wide_out else x.new_empty(0, dtype=torch.float32),
-    )
+    return y, rms_norm_reference_rstd(wide, eps).float(), wide.to(x.dtype).contiguous()
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
@@ -532,15 +506,12 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
 
 
 @add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset, norm_dtype, out_dtype, x_wide=None, wide_out=False):
+def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     _check_residual(x, residual)
-    if x_wide is not None:
-        _check_wide(x, x_wide)
     return (
         x.new_empty(x.shape, dtype=out_dtype or x.dtype),
         x.new_empty(x.shape[:-1], dtype=torch.float32),
         x.new_empty(x.shape),
-        x.new_empty(x.shape if wide_out else (0,), dtype=torch.float32),
     )
 
 
@@ -579,21 +550,18 @@ def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residua
 
 
 def _add_setup_context(ctx, inputs, output):
-    x, residual, weight, eps, offset, norm_dtype = inputs[:6]  # (out_dtype, x_wide, wide_out): not needed
+    x, residual, weight, eps, offset, norm_dtype, _ = inputs
     ctx.save_for_backward(output[2], weight, output[1])
     ctx.eps, ctx.offset, ctx.norm_dtype, ctx.residual_dtype = eps, offset, norm_dtype, residual.dtype
-    ctx.n_inputs = len(inputs)
-    ctx.mark_non_differentiable(output[1], output[3])
+    ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
-def _add_backward(ctx, dy, _drstd, dh, _dwide):
-    # rstd and the fp32 h are not differentiable outputs (the rounded h carries the sum's gradient), nor is x_wide
-    # an input that takes one: x, its rounding, does
+def _add_backward(ctx, dy, _drstd, dh):
     h, weight, rstd = ctx.saved_tensors
     need_x, need_r, need_w = ctx.needs_input_grad[:3]
     compute_dweight = weight is not None and need_w
-    rest = (None,) * (ctx.n_inputs - 3)
+    rest = (None,) * 4
     if not (need_x or need_r or compute_dweight) or (dy is None and dh is None):
         return None, None, None, *rest
     if dy is None:  # only the sum is used downstream: its gradient passes to both inputs

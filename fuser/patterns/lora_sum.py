@@ -338,54 +338,15 @@ def _drop_dead_casts(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def carry_wide_residuals(graph: torch.fx.Graph) -> int:
-    """An ``fuser::add_rms_norm`` whose rounded sum (the residual stream's next value) is the ``x`` of another
-    add_rms_norm or of an RMSNorm that has no fp32 value for it: the first also returns its fp32 sum
-    (``wide_out``), which the second reads as ``x_wide``. Between the two the stream is fp32 as well as bf16, so a
-    LoRA term that the rounding of ``h + o_proj(…)`` erases still reaches the next add (issue 16). The rounded sum
-    keeps its other users, is what the backward saves, and carries the gradient. Returns how many adds."""
-    add_norm, norm = torch.ops.fuser.add_rms_norm.default, torch.ops.fuser.rms_norm.default
-    n = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not add_norm or node.kwargs.get("wide_out"):
-            continue
-        totals = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == 2]
-        readers = [
-            user
-            for total in totals
-            for user in total.users
-            if user.op == "call_function"
-            and user.target in (add_norm, norm)
-            and user.args[0] is total
-            and total not in user.args[1:]
-            and user.kwargs.get("x_wide") is None
-        ]
-        if not readers:
-            continue
-        node.kwargs = {**node.kwargs, "wide_out": True}
-        with graph.inserting_after(node):  # before every reader of the sum
-            wide = graph.call_function(operator.getitem, (node, 3))
-        example = totals[0].meta.get("example_value")
-        if example is not None:
-            wide.meta["example_value"] = example.to(torch.float32)
-        for user in readers:
-            user.kwargs = {**user.kwargs, "x_wide": wide}
-        n += 1
-    return n
-
-
 def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
     """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
     _drop_dead_casts(graph)
-    n = (
+    return (
         keep_wide_sums_for_gated_ops(graph)
         + sum_into_residual_adds(graph)
         + sum_into_rope(graph)
         + sum_into_norms(graph)
     )
-    if config is None or config.upcast_linear.wide_residual:
-        n += carry_wide_residuals(graph)
-    return n
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

@@ -43,17 +43,10 @@ class UpcastLinearConfig:
                             keeps cuBLAS's fp32 matmuls. Default ``True`` (3–5x faster on the H200).
     recompute_gated_input:  an upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection)
                             recomputes the product in its backward instead of saving it. Default ``True``.
-    wide_residual:          where one residual add of LoRA sums feeds the next (``fuser::add_rms_norm`` to
-                            ``fuser::add_rms_norm``: o_proj's and down_proj's adds in every decoder layer), the next
-                            add reads the previous one's fp32 sum besides its bf16 rounding, so the residual stream
-                            between them keeps the LoRA terms below half a bf16 ulp that its rounding would erase
-                            (issue 16). The rounded stream is still what is saved and what carries the gradient.
-                            Costs 6 bytes per element and add in the forward. Default ``True``.
     """
 
     triton: bool = True
     recompute_gated_input: bool = True
-    wide_residual: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "upcast_linear")

@@ -126,7 +126,6 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
 
     rows, hidden, inter = 128, 256, 512
     x, w = t(2, rows, hidden, dtype=dt), t(hidden, dtype=dt)
-    wide = t(2, rows, hidden, dtype=torch.float32)
     g, u = t(2, rows, inter, dtype=dt), t(2, rows, inter, dtype=dt)
     lora = t(2, rows, inter, dtype=torch.float32)
     q, k, cos = t(2, 8, rows, 64, dtype=dt), t(2, 2, rows, 64, dtype=dt), t(1, 1, rows, 64, dtype=dt)
@@ -146,9 +145,6 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         ),
         "add_rms_norm, fp32 residual": lambda: ops["add_rms_norm_op"](
             x, t(2, rows, hidden, dtype=torch.float32), w, 1e-6, 0.0, None, None
-        ),
-        "add_rms_norm, fp32 x_wide in and fp32 sum out": lambda: ops["add_rms_norm_op"](
-            x, wide, w, 1e-6, 0.0, None, None, wide, True
         ),
         "add_rms_norm backward (two stores)": lambda: ops["add_rms_norm_backward_op"](
             x, x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True, torch.float32
