@@ -43,6 +43,7 @@ SPACE = {
             "SPLITS": sp,
             "MIN_SPLIT_BLOCKS": 2,
             "PRECISION": p,
+            "BLOCK_N_WIDE_RANK": None,  # the BLOCK_N swept at every rank
         }
         for m, n, sp, p in itertools.product((32, 64), (32, 64, 128), (16, 32, 64), ("tf32x3", "ieee"))
     ],

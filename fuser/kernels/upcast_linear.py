@@ -147,12 +147,24 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True
 # ``benchmarks/tune_upcast_linear.py`` on the H200. The forward's inputs in 4 splits (partial products summed in a
 # fixed order): 64-row tiles leave 128 programs for 8192 rows, too few to fill 132 SMs while each streams its rows'
 # inputs; 4 splits took the 8192×4096×16 forward from 49.0 to 40.6 µs and 8192×14336×16 from 155.7 to 109.3 µs, and
-# the Llama-3-8B LoRA step's fused ops from 143.1 to 133.9 ms (tune_upcast_linear_h200_2026-12-01.md). The
-# interpreter (CPU) ignores the precision and the stages.
+# the Llama-3-8B LoRA step's fused ops from 143.1 to 133.9 ms (tune_upcast_linear_h200_2026-12-01.md). The dW's
+# rows in 16 splits of at least 2 row blocks (8 splits of at least 8 before: 256 programs at 4096 inputs, two per
+# SM): 8192×4096×16 58.3 → 41.5 µs, 8192×14336×16 108.6 → 113.4 (noise), and for ranks above 16 32-column blocks,
+# 8192×4096×64 211.9 → 106.9 µs (tune_upcast_linear_dw_h200_2026-12-01.md). The interpreter (CPU) ignores the
+# precision and the stages.
 CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 4},
     "dx": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRECISION": "tf32x3"},
-    "dw": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "PRECISION": "tf32x3", "SPLITS": 8},
+    "dw": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 128,
+        "BLOCK_N_WIDE_RANK": 32,  # BLOCK_N where the rank (padded) is above 16
+        "num_warps": 4,
+        "num_stages": 3,
+        "PRECISION": "tf32x3",
+        "SPLITS": 16,
+        "MIN_SPLIT_BLOCKS": 2,
+    },
 }
 _CPU_CONFIGS = {
     "fwd": {"BLOCK_M": 16, "BLOCK_K": 32, "PRECISION": "ieee", "SPLIT_K": 1},
@@ -231,6 +243,9 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     n_in = x2.shape[1]
     out_p = _out_p(n_out)
     cfg = _config("dw", x.device)
+    wide_rank_block = cfg.pop("BLOCK_N_WIDE_RANK", None)
+    if wide_rank_block is not None and out_p > 16:
+        cfg["BLOCK_N"] = wide_rank_block
     block_m = cfg["BLOCK_M"]
     # the rows in a fixed number of splits (a function of the shapes; at least MIN_SPLIT_BLOCKS row blocks each),
     # each summed by one program per column block; the partial sums are added in a fixed order (deterministic)
