@@ -74,30 +74,35 @@ if HAS_TRITON:
     def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, wide_ptr, scale, n_rows, n_in, n_out,
                                 w_stride_out, w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 OUT_P: tl.constexpr, PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
-                                ROUND_TERM: tl.constexpr, HAS_WIDE: tl.constexpr):  # fmt: skip
+                                ROUND_TERM: tl.constexpr, HAS_WIDE: tl.constexpr, ROW_TILES: tl.constexpr):  # fmt: skip
         # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
         # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
         # with ROUND_TERM the term rounded to dx's dtype first, as peft's bitsandbytes layers add it; HAS_WIDE
-        # also stores the unrounded fp32 value (fuser::lora_sum_wide: what a gated op computes its product from)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # also stores the unrounded fp32 value (fuser::lora_sum_wide: what a gated op computes its product from).
+        # A program loads its columns of W once and computes ROW_TILES consecutive row tiles with them (each
+        # tile's result is the same single dot, whatever ROW_TILES is)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         outs = tl.arange(0, OUT_P)
-        row_ok, col_ok, out_ok = rows < n_rows, cols < n_in, outs < n_out
-        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
-                     mask=row_ok[:, None] & out_ok[None, :], other=0.0)  # fmt: skip
+        col_ok, out_ok = cols < n_in, outs < n_out
         w = tl.load(w_ptr + outs[:, None] * w_stride_out + cols[None, :] * w_stride_in,
                     mask=out_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        dx = tl.dot(dy, w, input_precision=PRECISION)
-        offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
-        if HAS_BASE:
-            base = tl.load(base_ptr + offsets, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            term = dx * scale
-            if ROUND_TERM:
-                term = term.to(dx_ptr.dtype.element_ty).to(tl.float32)
-            dx = base.to(tl.float32) + term
-        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        if HAS_WIDE:
-            tl.store(wide_ptr + offsets, dx, mask=row_ok[:, None] & col_ok[None, :])
+        for tile in range(ROW_TILES):
+            rows = (tl.program_id(0) * ROW_TILES + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_rows
+            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
+                         mask=row_ok[:, None] & out_ok[None, :], other=0.0)  # fmt: skip
+            dx = tl.dot(dy, w, input_precision=PRECISION)
+            offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
+            mask = row_ok[:, None] & col_ok[None, :]
+            if HAS_BASE:
+                base = tl.load(base_ptr + offsets, mask=mask, other=0.0)
+                term = dx * scale
+                if ROUND_TERM:
+                    term = term.to(dx_ptr.dtype.element_ty).to(tl.float32)
+                dx = base.to(tl.float32) + term
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_WIDE:
+                tl.store(wide_ptr + offsets, dx, mask=mask)
 
     @triton.jit
     def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, n_rows, n_in, n_out, x_row_stride, rows_per_split,
@@ -150,11 +155,13 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True
 # the Llama-3-8B LoRA step's fused ops from 143.1 to 133.9 ms (tune_upcast_linear_h200_2026-12-01.md). The dW's
 # rows in 16 splits of at least 2 row blocks (8 splits of at least 8 before: 256 programs at 4096 inputs, two per
 # SM): 8192×4096×16 58.3 → 41.5 µs, 8192×14336×16 108.6 → 113.4 (noise), and for ranks above 16 32-column blocks,
-# 8192×4096×64 211.9 → 106.9 µs (tune_upcast_linear_dw_h200_2026-12-01.md). The interpreter (CPU) ignores the
-# precision and the stages.
+# 8192×4096×64 211.9 → 106.9 µs (tune_upcast_linear_dw_h200_2026-12-01.md). dx (also lora_sum's forward): each
+# program loads its W columns once and computes 8 row tiles of 64: 8192×4096×16 33.6 → 29.3 µs (lora_sum's 56.8 →
+# 45.1), 8192×14336×16 102.4 → 83.4 (165.3 → 139.1) (tune_upcast_linear_dx_h200_2026-12-01.md); in the Llama-3-8B
+# LoRA step 38.3 → 36.7 ms. The interpreter (CPU) ignores the precision and the stages.
 CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 4},
-    "dx": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRECISION": "tf32x3"},
+    "dx": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "ROW_TILES": 8, "PRECISION": "tf32x3"},
     "dw": {
         "BLOCK_M": 64,
         "BLOCK_N": 128,
@@ -168,7 +175,7 @@ CONFIGS = {
 }
 _CPU_CONFIGS = {
     "fwd": {"BLOCK_M": 16, "BLOCK_K": 32, "PRECISION": "ieee", "SPLIT_K": 1},
-    "dx": {"BLOCK_M": 16, "BLOCK_N": 32, "PRECISION": "ieee"},
+    "dx": {"BLOCK_M": 16, "BLOCK_N": 32, "PRECISION": "ieee", "ROW_TILES": 2},  # the row loop runs in CI too
     "dw": {"BLOCK_M": 16, "BLOCK_N": 32, "PRECISION": "ieee", "SPLITS": 16},
 }
 
@@ -227,8 +234,9 @@ def _dx_triton(
     n_in = weight.shape[1]
     dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device) if out is None else out.view(n_rows, n_in)
     cfg = _config("dx", dy.device)
+    cfg.setdefault("ROW_TILES", 1)
     if n_rows:
-        grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
+        grid = (triton.cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
             dy2, weight, dx, dx if base is None else base, dx if wide_out is None else wide_out, float(scale),
             n_rows, n_in, n_out, weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None,
