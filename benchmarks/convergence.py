@@ -632,7 +632,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     lrs = f"AdamW(fused) lr {args.lr_full:g} (full) / {args.lr_lora:g} (LoRA r16, alpha 32, all linear, B = 0)"
     if args.preset:
         preset, model = PRESETS[args.preset], MODELS[PRESETS[args.preset].model]
-        model_about = f"preset {args.preset} ({preset.about}; {model.config} {model.fields}), {args.layers} layers"
+        model_about = f"preset {args.preset} ({preset.about}; {model.model_type} {model.fields}), {args.layers} layers"
         vocab = model.fields["vocab_size"]
     else:
         model_about = f"{args.layers} layers, hidden {args.hidden}, byte-level vocab {VOCAB}"

@@ -1,7 +1,9 @@
 """The models and jobs the benchmarks run, declared once: every script reads its shapes and recipes from here.
 
-A model is a transformers config class and its fields (the public checkpoint's, or a CPU-sized Llama's), with
-random weights: nothing is downloaded. ``fields`` leave out the depth; ``layers`` is the checkpoint's own.
+A model is a transformers model type (what ``AutoConfig.for_model`` takes: ``"llama"``, ``"gemma3_text"``) and its
+config fields (the public checkpoint's, or a CPU-sized Llama's), with random weights: nothing is downloaded.
+``fields`` leave out the depth; ``layers`` is the checkpoint's own. Another family's public shapes are one more
+entry here (and a job below), no code.
 
 - ``JOBS``: the training-step jobs of ``train_step.py`` (a model, a method, a batch), ``TINY_*`` its ``--tiny``;
 - ``PRESETS``: the convergence recipes of ``convergence.py --preset`` (a model cut to a few layers, a batch,
@@ -20,7 +22,7 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    config: str  # transformers config class
+    model_type: str  # transformers model type (``AutoConfig.for_model``)
     fields: dict[str, Any]  # its fields, all but num_hidden_layers
     layers: int  # the checkpoint's decoder layers
 
@@ -28,7 +30,7 @@ class Model:
 MODELS: dict[str, Model] = {
     # meta-llama/Meta-Llama-3-8B
     "llama3-8b": Model(
-        "LlamaConfig",
+        "llama",
         dict(
             vocab_size=128256,
             hidden_size=4096,
@@ -45,7 +47,7 @@ MODELS: dict[str, Model] = {
     ),
     # Qwen/Qwen3-8B
     "qwen3-8b": Model(
-        "Qwen3Config",
+        "qwen3",
         dict(
             vocab_size=151936,
             hidden_size=4096,
@@ -62,7 +64,7 @@ MODELS: dict[str, Model] = {
     ),
     # meta-llama/Llama-3.2-1B: tied embeddings, llama3 rope scaling
     "llama32-1b": Model(
-        "LlamaConfig",
+        "llama",
         dict(
             vocab_size=128256,
             hidden_size=2048,
@@ -84,9 +86,48 @@ MODELS: dict[str, Model] = {
         ),
         16,
     ),
+    # Qwen/Qwen2.5-7B: biases on q/k/v
+    "qwen25-7b": Model(
+        "qwen2",
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+        ),
+        28,
+    ),
+    # google/gemma-3-4b-pt's text model: GeGLU, head_dim 256, q/k norms, 5 sliding-window (1024) layers to 1 global,
+    # tied 262k embeddings
+    "gemma3-4b": Model(
+        "gemma3_text",
+        dict(
+            vocab_size=262208,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+        34,
+    ),
     # issue 16's smallest clear CPU configuration (fp32 drop ≈ 0.0025; eager/fuser bf16 10-19 % of it)
     "cpu-small": Model(
-        "LlamaConfig",
+        "llama",
         dict(
             vocab_size=2048,
             hidden_size=512,
@@ -102,7 +143,7 @@ MODELS: dict[str, Model] = {
     # the smallest one found that still separates eager from Inductor at 3 seeds (tests/test_convergence_cpu.py):
     # eager bf16 ~0.15-0.2 of fp32's drop, Inductor ~1.2 (benchmarks/results/convergence_bf16_cpu_2026-12-01.md)
     "cpu-tiny": Model(
-        "LlamaConfig",
+        "llama",
         dict(
             vocab_size=1024,
             hidden_size=256,
@@ -125,7 +166,9 @@ def model_config(name: str, **fields: Any):
     import transformers
 
     model = MODELS[name]
-    return getattr(transformers, model.config)(**{**model.fields, "num_hidden_layers": model.layers, **fields})
+    return transformers.AutoConfig.for_model(
+        model.model_type, **{**model.fields, "num_hidden_layers": model.layers, **fields}
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,6 +194,8 @@ JOBS = {
     "llama3-8b-lora": Job("llama3-8b", "lora", 4, 2048, about="Llama-3-8B, LoRA r16 on all linear layers"),
     "qwen3-8b-lora": Job("qwen3-8b", "lora", 4, 2048, about="Qwen3-8B, LoRA r16 on all linear layers"),
     "llama32-1b-full": Job("llama32-1b", "full", 4, 2048, about="Llama-3.2-1B, full fine-tune"),
+    "qwen25-7b-lora": Job("qwen25-7b", "lora", 4, 2048, about="Qwen2.5-7B, LoRA r16 on all linear layers"),
+    "gemma3-4b-lora": Job("gemma3-4b", "lora", 4, 2048, about="Gemma-3-4B (text), LoRA r16 on all linear layers"),
     "llama3-8b-qlora": Job("llama3-8b", "qlora", 4, 2048, about="Llama-3-8B, QLoRA (bitsandbytes NF4 base) r16"),
     "llama3-8b-lora-gc-32k": Job(
         "llama3-8b", "lora", 1, 32768, checkpointing=True, about="Llama-3-8B, LoRA r16, gradient checkpointing"
@@ -158,7 +203,7 @@ JOBS = {
     "llama3-8b-lora-16k": Job("llama3-8b", "lora", 1, 16384, about="Llama-3-8B, LoRA r16, no checkpointing"),
 }
 
-# --tiny: the job's config at toy size (rope, tying and the config class stay the job's own)
+# --tiny: the job's config at toy size (rope, tying and the model type stay the job's own)
 TINY_FIELDS = dict(
     vocab_size=512,
     hidden_size=64,

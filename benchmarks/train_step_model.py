@@ -6,6 +6,7 @@ config and the batches of random tokens.
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 import torch
@@ -28,10 +29,12 @@ def apply_liger(job: Job) -> None:
     """Patch transformers' model classes with Liger-Kernel's ops; must run before the model is built."""
     from liger_kernel import transformers as liger
 
-    patch = {"LlamaConfig": liger.apply_liger_kernel_to_llama, "Qwen3Config": liger.apply_liger_kernel_to_qwen3}
-    patch[MODELS[job.model].config](
-        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
-    )
+    model_type = MODELS[job.model].model_type
+    patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)  # Liger names its patches by model type
+    if patch is None:
+        raise SystemExit(f"Liger-Kernel has no apply_liger_kernel_to_{model_type}: no liger mode for this job")
+    gated = "geglu" if "geglu" in inspect.signature(patch).parameters else "swiglu"  # Gemma's patches take geglu
+    patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, **{gated: True})
 
 
 def quantize_decoder_linears_nf4(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> int:
