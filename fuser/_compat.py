@@ -103,3 +103,26 @@ def compiling_a_ddp_bucket() -> bool:
 
     context = TracingContext.try_get()
     return bool(context is not None and getattr(context, "fakify_first_call", False))
+
+
+def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]] | None:
+    """Why Dynamo ended the graph ``gm`` at a graph break, and where (file, line, code of the user frame it
+    stopped in), from the reason Dynamo attaches to the graph module; ``None`` when the graph ended at a return
+    (or the attribute is missing)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = list(getattr(reason, "user_stack", None) or [])
+    frame = stack[-1] if stack else None
+    where = (frame.filename, frame.lineno, frame.line or "") if frame is not None else ("?", 0, "")
+    return str(getattr(reason, "reason", "")), where
+
+
+def dynamo_graph_break_messages() -> dict[str, int]:
+    """Dynamo's count of each graph-break message so far in this process (the messages ``TORCH_LOGS=graph_breaks``
+    prints), a copy; empty where the counters are missing."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return dict(counters.get("graph_break", {}))

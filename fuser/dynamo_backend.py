@@ -19,7 +19,7 @@ from fuser.config import FuserConfig
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
-from fuser.report import Report
+from fuser.report import GraphBreak, Report, graph_break
 
 log = logging.getLogger("fuser")
 
@@ -121,6 +121,7 @@ class FuserBackend:
         # first backward call), and not when a graph comes from Inductor's cache
         self.post_grad_counts: dict[str, int] = {}
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
+        self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
         self._warned_ddp_buckets = False
 
     @property
@@ -171,6 +172,8 @@ class FuserBackend:
         if result is not None:
             self.results.append(result)
         compiled = self._compile(gm, new_gm, example_inputs, result)
+        if (one := graph_break(gm)) is not None:  # after the compile: a restarted analysis brings gm again
+            self.breaks.append(one)
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         fused = ", ".join(f"{k}={v}" for k, v in sorted(result.counts.items())) if result else ""
@@ -236,6 +239,7 @@ class FuserBackend:
             out.near_misses += result.near_misses
         out.counts = self.counts
         out.compile_seconds = self.compile_seconds
+        out.breaks = list(self.breaks)
         return out
 
 
@@ -333,6 +337,7 @@ def report(model: torch.nn.Module | None = None) -> Report:
         total.matches += part.matches
         total.near_misses += part.near_misses
         total.compile_seconds += part.compile_seconds
+        total.breaks += part.breaks
     total.graph_breaks = max(total.graphs - 1, 0)
     total.counts = count_by_pattern(total.matches)
     return total

@@ -7,9 +7,31 @@ from typing import Any
 
 import torch
 
+from fuser import _compat
 from fuser.config import FuserConfig
+from fuser.engine.canonical import location
 from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.patterns import PATTERNS
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """Where Dynamo ended a captured graph before the function's return, and why (in Dynamo's words)."""
+
+    where: str  # ``file:line  code`` of the user code it stopped at
+    reason: str
+
+
+def graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
+    """The graph break that ended ``gm``, or ``None`` when ``gm`` ends at a return."""
+    found = _compat.graph_break_of(gm)
+    if found is None:
+        return None
+    reason, (path, lineno, code) = found
+    first = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+    if first == "step_unsupported":  # Dynamo's word for an inlined call it could not trace, broken at its call site
+        first = "Dynamo could not trace the call made here"
+    return GraphBreak(location(path, lineno, code), first)
 
 
 @dataclass
@@ -21,6 +43,10 @@ class Report:
     matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
     near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its
                    module path, source line and the reason in words (``.module``, ``.where``, ``.reason``).
+    breaks:        each graph break: where the graph before it ended and why (``.where``, ``.reason``); a block
+                   split by one (an lm_head and its loss) cannot fuse.
+    break_messages: ``fuser.explain``: Dynamo's own graph-break messages during the forward (first lines, each
+                   once), which say what it could not trace where ``breaks`` says only "a call made here".
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -29,6 +55,8 @@ class Report:
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
+    breaks: list[GraphBreak] = field(default_factory=list)
+    break_messages: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
@@ -46,6 +74,13 @@ class Report:
                 module = nm.module or "(top level)"
                 lines.append(f"  {nm.pattern:<20} {module}  {nm.where}")
                 lines.append(f"  {'':<20} {nm.reason}")
+        if self.breaks:
+            lines.append("graph breaks (each ends a captured graph; a block split by one is not fused):")
+            for one in self.breaks:
+                lines.append(f"  {one.where}")
+                lines.append(f"  {'':<20} {one.reason}")
+        if self.break_messages:
+            lines.append("Dynamo's graph-break messages: " + "; ".join(self.break_messages))
         return "\n".join(lines)
 
 
@@ -61,9 +96,16 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
         report.graphs += 1
         report.matches += result.matches
         report.near_misses += result.near_misses
+        if (one := graph_break(gm)) is not None:
+            report.breaks.append(one)
         return gm.forward
 
+    messages_before = _compat.dynamo_graph_break_messages()
     torch.compile(target, backend=capture)(*args, **kwargs)
+    for message, n in _compat.dynamo_graph_break_messages().items():
+        first = message.strip().splitlines()[0] if message.strip() else ""
+        if n > messages_before.get(message, 0) and first and first not in report.break_messages:
+            report.break_messages.append(first)
     report.counts = count_by_pattern(report.matches)
     report.graph_breaks = max(report.graphs - 1, 0)
     return report

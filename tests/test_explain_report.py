@@ -57,3 +57,19 @@ def test_norm_no_form_covers_names_module_source_and_what_differs():
     text = str(report)
     assert "model.layers.0.input_layernorm" in text and "needs a number (eps)" in text
     _assert_plain_words(text)
+
+
+def test_a_graph_break_is_listed_with_its_source_line_and_dynamos_words():
+    def split(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    report = fuser.explain(split, torch.randn(3))
+    assert report.graphs == 2 and len(report.breaks) == 1, str(report)
+    (one,) = report.breaks
+    assert "test_explain_report.py:" in one.where and "torch._dynamo.graph_break()" in one.where, one.where
+    assert one.reason and report.break_messages, str(report)
+    text = str(report)
+    assert "graph breaks" in text and "torch._dynamo.graph_break()" in text
+    _assert_plain_words(text)

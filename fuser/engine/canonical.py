@@ -451,6 +451,10 @@ def source_line(node: Node) -> str:
             path = parts[0][len("File ") :].strip('"')
             lineno = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            short = "/".join(path.split("/")[-2:])
-            return f"{short}:{lineno}  {code}"
+            return location(path, lineno, code)
     return node.name
+
+
+def location(path: str, lineno: int | str, code: str) -> str:
+    """``file:line  code`` as the report shows a source line: the file's last two path components."""
+    return f"{'/'.join(path.split('/')[-2:])}:{lineno}  {code.strip()}"

@@ -5,6 +5,8 @@ root node down through the canonical form (:func:`fuser.engine.canonical.canonic
 
     V("h")          any tensor-valued node; a name used twice must bind the same value (up to exact upcasts,
                     so ``x.float().pow(2)`` and ``x * rstd`` agree on ``x``)
+    Input("x")      a tensor that is an input of the whole captured graph (a placeholder, not a nested body's):
+                    computed before the graph began, e.g. in the graph before a graph break
     S("eps")        a Python number captured in the graph (never a literal copied from a dump), or a graph node
                     whose value is a number Dynamo made symbolic (see below)
     C("shape")      any other constant (a shape list, ``None``)
@@ -68,6 +70,10 @@ class _Named(Pat):
 
 class V(_Named):
     """Any tensor-valued node."""
+
+
+class Input(_Named):
+    """A tensor input (placeholder) of the captured graph itself, not of a nested body."""
 
 
 class S(_Named):
@@ -153,6 +159,12 @@ def same_scalar(a: Any, b: Any) -> bool:
 def _match(p: Any, value: Any, b: dict[str, Any], nodes: tuple[Node, ...]) -> Iterator[tuple[dict, tuple]]:
     if isinstance(p, V):
         if not isinstance(value, Node) or tensor_meta(value) is None:
+            _fail(p, value, b, nodes)
+        else:
+            yield from _bind(p, value, b, nodes, _same)
+    elif isinstance(p, Input):
+        is_input = isinstance(value, Node) and value.op == "placeholder" and OUTER_VALUE not in value.meta
+        if not is_input or tensor_meta(value) is None:
             _fail(p, value, b, nodes)
         else:
             yield from _bind(p, value, b, nodes, _same)
@@ -264,6 +276,8 @@ def _expected(p: Any, b: dict[str, Any]) -> str:
         if p.name in b:
             return f"the same tensor ({p.name}) as before, {describe_value(b[p.name])}"
         return f"a tensor ({p.name})"
+    if isinstance(p, Input):
+        return f"an input of the graph ({p.name})"
     if isinstance(p, C):
         return f"a constant ({p.name})"
     if isinstance(p, Op):

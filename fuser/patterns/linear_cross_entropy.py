@@ -39,12 +39,25 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fuser.engine.canonical import canonical, tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, same_scalar, scalar_hint
+from fuser.engine.match import (
+    C,
+    Found,
+    Input,
+    OneOf,
+    Op,
+    OptCast,
+    S,
+    V,
+    describe_value,
+    is_symbolic_scalar,
+    same_scalar,
+    scalar_hint,
+)
 from fuser.kernels.linear_cross_entropy import DwAccumulator, DwKernel  # importing it registers the op
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
@@ -92,35 +105,44 @@ class Reciprocal(ArgExpr):
         return graph.call_function(operator.truediv, (1.0, self.source))
 
 
+def _loss_of(logits: Any) -> Op:
+    """The loss over ``logits``: scale, softcap, upcast and rows as the models write them, then the loss."""
+    scaled = OneOf(
+        Op("mul", logits, _constant("scale")),  # Cohere: logits * logit_scale
+        Op("div", logits, _constant("inverse_scale")),  # Granite: logits / logits_scaling
+        logits,
+    )
+    softcapped = OneOf(
+        Op("mul", Op("tanh", Op("div", scaled, _constant("cap_in"))), _constant("cap_out")),  # Gemma-2
+        scaled,
+    )
+    upcast = OptCast(softcapped, "loss_cast")
+    rows = OneOf(
+        Op("rows", upcast),  # view(-1, V) / reshape(-1, V)
+        Op("flatten", upcast, S("flatten_start"), -2),  # flatten(0, -2)
+        upcast,  # logits that are 2-D already
+    )
+    return Op(
+        "cross_entropy",
+        rows,
+        V("labels"),
+        OneOf(V("class_weight"), None),
+        S("ignore_index"),
+        C("reduction"),
+        S("label_smoothing"),
+    )
+
+
 # transformers' `hidden_states[:, slice(-logits_to_keep, None), :]` with logits_to_keep=0 selects everything
 hidden = OneOf(Op("whole", V("h")), V("h"))
 logits = OptCast(Op("linear", hidden, V("w"), OneOf(V("b"), None)), "linear_cast")
-scaled = OneOf(
-    Op("mul", logits, _constant("scale")),  # Cohere: logits * logit_scale
-    Op("div", logits, _constant("inverse_scale")),  # Granite: logits / logits_scaling
-    logits,
-)
-softcapped = OneOf(
-    Op("mul", Op("tanh", Op("div", scaled, _constant("cap_in"))), _constant("cap_out")),  # Gemma-2
-    scaled,
-)
-upcast = OptCast(softcapped, "loss_cast")
-rows = OneOf(
-    Op("rows", upcast),  # view(-1, V) / reshape(-1, V)
-    Op("flatten", upcast, S("flatten_start"), -2),  # flatten(0, -2)
-    upcast,  # logits that are 2-D already
-)
-loss = Op(
-    "cross_entropy",
-    rows,
-    V("labels"),
-    OneOf(V("class_weight"), None),
-    S("ignore_index"),
-    C("reduction"),
-    S("label_smoothing"),
-)
 
-VARIANTS = [Variant("causal lm", loss)]
+VARIANTS = [
+    Variant("causal lm", _loss_of(logits)),
+    # logits that enter the graph as an input, computed before it (a graph break between the lm_head and the loss,
+    # as a logging call in transformers' loss_function makes): always declined, saying so
+    Variant("logits from before the graph", _loss_of(Input("logits_input"))),
+]
 
 
 def _scalar(b: dict, name: str, what: str) -> tuple[float | Node, float] | None:
@@ -189,6 +211,12 @@ def _operand(node: Node, dtype: torch.dtype) -> Node | CastTo:
 
 def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
+    if "logits_input" in b:
+        raise Decline(
+            f"the logits are {describe_value(b['logits_input'])} of this graph, not computed in it: the lm_head ran "
+            "before this graph began, in the graph before a graph break (the report's graph breaks say where) or "
+            "outside the compiled code, and the loss fuses only in the lm_head's graph"
+        )
     if b.get("class_weight") is not None:
         raise Decline("cross_entropy with class weights (weight=)")
     # the op has no argument for these: one that changes between calls (symbolic) cannot be fused

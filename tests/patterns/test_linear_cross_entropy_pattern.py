@@ -283,6 +283,12 @@ def class_dim_not_last(h, w, b, y):  # [B, V, T] logits: the class dim is 1 by c
     return F.cross_entropy(F.linear(h, w).transpose(1, 2), y)
 
 
+def graph_break_before_loss(h, w, b, y):  # the loss in the graph after a break: its logits are that graph's input
+    logits = F.linear(h, w)
+    torch._dynamo.graph_break()
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+
+
 NEAR_MISSES = {
     label_smoothing: "label_smoothing=0.1",
     class_weights: "class weights",
@@ -292,6 +298,7 @@ NEAR_MISSES = {
     logits_used_elsewhere: "also used by",
     soft_targets: "not a 1-D tensor of class indices",
     class_dim_not_last: "looked like part of linear_cross_entropy",
+    graph_break_before_loss: "the logits are the input `logits` (a 2×7×37 float32 tensor) of this graph",
 }
 
 
