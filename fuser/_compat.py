@@ -5,7 +5,9 @@ Supported: torch >= 2.11.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +105,46 @@ def compiling_a_ddp_bucket() -> bool:
 
     context = TracingContext.try_get()
     return bool(context is not None and getattr(context, "fakify_first_call", False))
+
+
+def dynamo_ignoring_logging(functions: Sequence[Callable[..., Any]]) -> contextlib.AbstractContextManager[None]:
+    """A context in which Dynamo skips calls of ``functions`` (``logging.Logger`` methods, as
+    ``logging.Logger.warning_once``) while it traces, instead of breaking the graph there: the config's set with
+    ``functions`` added, restored on exit. Named ``ignore_logging_functions`` since torch 2.11 (before,
+    ``ignore_logger_methods``). Dynamo does not guard on it: a graph traced inside keeps the calls skipped."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "ignore_logging_functions" if hasattr(dynamo_config, "ignore_logging_functions") else "ignore_logger_methods"
+
+    @contextlib.contextmanager
+    def ignoring() -> Iterator[None]:
+        with dynamo_config.patch(**{name: set(getattr(dynamo_config, name)) | set(functions)}):
+            yield
+
+    return ignoring()
+
+
+def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """Run every call of ``compiled``'s Dynamo-compiled forward inside a fresh ``context()``, so what it sets
+    holds while Dynamo traces (the first call compiles; a recompile is a later call) and nowhere else.
+
+    ``compiled`` is what ``torch.compile(module)`` returned (``OptimizedModule``: its ``forward`` attribute is the
+    compiled ``__call__`` of the original) or a module that ``module.compile()`` compiled in place (its
+    ``_compiled_call_impl``). ``torch.compile`` gives a backend no hook of its own around calls: Dynamo enters a
+    backend's ``backend_ctx_ctor`` only for ``torch._dynamo.optimize(backend)``, and ``torch.compile`` hands
+    Dynamo its own wrapper of the backend instead. Type, parameters and ``state_dict`` keys are unchanged.
+    """
+    attribute = "forward" if is_compiled_wrapper(compiled) else "_compiled_call_impl"
+    inner = getattr(compiled, attribute, None)
+    if inner is None:
+        raise TypeError(f"fuser: {type(compiled).__name__} has no compiled call to run inside a context")
+
+    @functools.wraps(inner)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return inner(*args, **kwargs)
+
+    setattr(compiled, attribute, call)
 
 
 def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]] | None:

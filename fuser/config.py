@@ -37,6 +37,12 @@ class FuserConfig:
                      is fused and the logits are never computed; the graph returns ``None`` in their place
                      (``outputs.logits is None``). Evaluation (no gradient wanted) always keeps returned logits.
     strict:          raise instead of falling back to the unrewritten graph when the rewrite fails (tests use it).
+    ignore_logging:  while Dynamo traces the calls that ``fuser.optimize``, ``optimize_`` and ``explain`` compile,
+                     skip the ``logging.Logger`` methods that print a message at most once (transformers'
+                     ``warning_once``, ``info_once``) instead of breaking the graph there (default ``True``): a
+                     GPT-2-style model's ``loss_function`` logs one between its lm_head and its loss, which could
+                     not fuse across the break. Their message is then not printed by compiled code. Scoped to
+                     those calls (``fuser/tracing.py``); ``torch.compile(m, backend="fuser")`` cannot apply it.
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
@@ -58,6 +64,7 @@ class FuserConfig:
     inner_compiler: str = "inductor"
     keep_logits: bool = False
     strict: bool = False
+    ignore_logging: bool = True
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -66,7 +73,7 @@ class FuserConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
-        for name in ("keep_logits", "strict"):
+        for name in ("keep_logits", "strict", "ignore_logging"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")

@@ -20,6 +20,7 @@ from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
 from fuser.report import GraphBreak, Report, graph_break
+from fuser.tracing import tracing_context
 
 log = logging.getLogger("fuser")
 
@@ -294,11 +295,25 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
 
     The result is torch's compiled wrapper (``state_dict`` keys prefixed ``_orig_mod.``, ``forward(*args,
     **kwargs)``): for ``transformers.Trainer`` and TRL's trainers use :func:`optimize_` instead.
+
+    With ``FuserConfig.ignore_logging`` (default), each call of the result runs with Dynamo skipping the logging
+    methods that print at most once (``logger.warning_once``) while it traces, so they do not break the graph
+    (``fuser/tracing.py``); their message is then not printed by compiled code. That is scoped to these calls:
+    Dynamo's global configuration is as it was outside them.
     """
     _check_module(model, "optimize")
     chosen = backend(config)
     _MODEL_BACKENDS[model] = chosen
-    return torch.compile(model, backend=chosen)
+    compiled = torch.compile(model, backend=chosen)
+    _scope_calls(compiled, chosen.config)
+    return compiled
+
+
+def _scope_calls(compiled: torch.nn.Module, config: FuserConfig) -> None:
+    """Make each call of ``compiled`` run inside :func:`fuser.tracing.tracing_context` where ``config`` sets
+    anything there."""
+    if config.ignore_logging:
+        _compat.within_each_call(compiled, lambda: tracing_context(config))
 
 
 def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
@@ -308,6 +323,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     (which replace ``forward`` on the instance; the compiled call runs whatever ``forward`` is then) see the
     model they expect. Apply it to the model the trainer calls: after ``get_peft_model``, and to
     ``trainer.model`` when the trainer wraps the model itself (``SFTTrainer(peft_config=...)``).
+
+    ``FuserConfig.ignore_logging`` applies to the model's compiled calls as in :func:`optimize`.
     """
     _check_module(model, "optimize_")
     if _compat.is_compiled_wrapper(model):
@@ -318,6 +335,7 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     chosen = backend(config)
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
+    _scope_calls(model, chosen.config)
     return model
 
 

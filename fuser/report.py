@@ -12,6 +12,7 @@ from fuser.config import FuserConfig
 from fuser.engine.canonical import location
 from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.patterns import PATTERNS
+from fuser.tracing import tracing_context
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,11 @@ class Report:
 
 
 def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs: Any) -> Report:
-    """Run one forward of ``model(*args, **kwargs)`` under Dynamo (executed eagerly) and match every graph."""
+    """Run one forward of ``model(*args, **kwargs)`` under Dynamo (executed eagerly) and match every graph.
+
+    It traces as :func:`fuser.optimize` does: with ``config.ignore_logging`` (default) the logging calls that print
+    at most once do not break the graph (``fuser/tracing.py``).
+    """
     config = config or FuserConfig()
     patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
     target = getattr(model, "_orig_mod", model)  # what fuser.optimize / torch.compile wrapped
@@ -101,7 +106,8 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
         return gm.forward
 
     messages_before = _compat.dynamo_graph_break_messages()
-    torch.compile(target, backend=capture)(*args, **kwargs)
+    with tracing_context(config):
+        torch.compile(target, backend=capture)(*args, **kwargs)
     for message, n in _compat.dynamo_graph_break_messages().items():
         first = message.strip().splitlines()[0] if message.strip() else ""
         if n > messages_before.get(message, 0) and first and first not in report.break_messages:

@@ -154,6 +154,8 @@ def test_cache_key_carries_fuser_source_config_and_switch():
     assert fuser.dynamo_backend._SOURCE_DIGEST in repr(a)
     off = fuser.FuserConfig(gated_mlp={"backward_in_place": False})
     assert fuser.dynamo_backend._post_grad_pass(off, {}).uuid() != a
+    logging_off = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(ignore_logging=False), {}).uuid()
+    assert logging_off != a and "ignore_logging=False" in repr(logging_off)
 
 
 def test_explain_report_table_names_source_lines():
@@ -187,6 +189,7 @@ def test_optimize_takes_a_dict_of_config_fields():
         ({"patterns": ["rms_nrom"]}, ValueError, "unknown pattern"),
         ({"keep_logits": "yes"}, TypeError, "keep_logits must be True or False"),
         ({"strict": 1}, TypeError, "strict must be True or False"),
+        ({"ignore_logging": "no"}, TypeError, "ignore_logging must be True or False"),
         ({"inner_compiler": "cudagraphs"}, ValueError, "inner_compiler must be one of"),
     ],
 )

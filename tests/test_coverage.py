@@ -10,11 +10,11 @@ import torch
 from tests.models.tiny import load_benchmark
 
 # fully fused today: every RMSNorm, rotary application, gated MLP and the lm_head loss the eager model runs
-FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe", "gptj"]
+# (gpt2: its loss_function's logger.warning_once breaks no graph under FuserConfig.ignore_logging)
+FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe", "gptj", "gpt2"]
 # something is known not to fuse: the block, and why
 PARTIAL = {
     "deepseek_v2": "rope",  # rotary through view_as_complex: no rope form covers complex multiplication
-    "gpt2": "loss",  # a logger call breaks the graph between lm_head and the loss
 }
 # what the eager models run (2 layers; rope in rotated tensors, q and k of a layer are 2): guards the harness's
 # own counting, without which every block would read "absent" and pass
@@ -76,7 +76,16 @@ def test_known_misses_are_reported_and_nothing_is_over_matched(coverage, model_t
     assert coverage.why_not(record), "a model not fully fused must say why"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gptj"])
+def test_gpt2_without_ignore_logging_says_a_graph_break_splits_lm_head_and_loss(coverage):
+    import fuser
+
+    record = coverage.run_one("gpt2", config=fuser.FuserConfig(ignore_logging=False))
+    block = record["blocks"]["loss"]
+    assert block["status"] == "partial" and record["graph_breaks"] == 1, block
+    assert "of this graph, not computed in it" in block["reasons"][0] and "graph break" in block["reasons"][0], block
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gptj", "gpt2"])
 def test_training_step_through_fuser_equals_eager(coverage, model_type):
     """The harness's --train-check (strict, aot_eager): loss and every gradient within 1e-4 of eager."""
     assert coverage.train_check(coverage.build(model_type), coverage.batch()) == "equal"

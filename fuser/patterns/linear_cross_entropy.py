@@ -215,7 +215,9 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
         raise Decline(
             f"the logits are {describe_value(b['logits_input'])} of this graph, not computed in it: the lm_head ran "
             "before this graph began, in the graph before a graph break (the report's graph breaks say where) or "
-            "outside the compiled code, and the loss fuses only in the lm_head's graph"
+            "outside the compiled code, and the loss fuses only in the lm_head's graph. A `logger.warning_once` "
+            "call (transformers' loss_function) breaks no graph under fuser.optimize, optimize_ and explain "
+            "(FuserConfig.ignore_logging); torch.compile(backend='fuser') cannot skip it"
         )
     if b.get("class_weight") is not None:
         raise Decline("cross_entropy with class weights (weight=)")

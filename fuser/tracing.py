@@ -1,0 +1,43 @@
+"""What holds while Dynamo traces the calls fuser compiles (``fuser.optimize``, ``optimize_``, ``explain``).
+
+Dynamo cannot trace a call of a ``logging.Logger`` method and breaks the graph there. transformers' causal LMs
+whose class name does not end in ``ForCausalLM`` (GPT-2, CTRL, OpenAI-GPT, BERT as a decoder, ...) log a
+``logger.warning_once`` in their ``loss_function`` property, between the lm_head and the loss: the two land in
+different graphs and the loss cannot fuse. With ``FuserConfig.ignore_logging`` (default ``True``) Dynamo skips
+the logging methods that print a message at most once per process (:data:`ONCE_LOGGING_METHODS`) while it traces
+those calls; the message is then not printed by compiled code. Dynamo's ``reorderable_logging_functions``, which
+would print it after the graph instead, does not reach methods of a logger (only plain functions such as
+``print``), so skipping is the one way to keep the graph whole.
+
+Only Dynamo's tracing of fuser's own compiled calls is affected: the setting is entered around each call and
+restored after it, never at import and never for other compiled code. ``torch.compile(model, backend="fuser")``
+gives a backend no way to wrap its calls: there the break stays, and ``fuser.explain`` (with
+``FuserConfig(ignore_logging=False)``) or ``fuser.report()`` shows the loss declined for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fuser import _compat
+
+if TYPE_CHECKING:
+    from fuser.config import FuserConfig
+
+# methods of logging.Logger that print a message at most once per process; transformers adds them to the class
+ONCE_LOGGING_METHODS = ("warning_once", "info_once")
+
+
+def skipped_logging_calls() -> list[Any]:
+    """The ``logging.Logger`` methods Dynamo skips under ``ignore_logging`` (those defined now: transformers may be
+    imported after fuser)."""
+    return [m for name in ONCE_LOGGING_METHODS if (m := getattr(logging.Logger, name, None)) is not None]
+
+
+def tracing_context(config: FuserConfig) -> contextlib.AbstractContextManager[Any]:
+    """The context each call compiled through fuser with ``config`` runs in (see the module docstring)."""
+    if not config.ignore_logging:
+        return contextlib.nullcontext()
+    return _compat.dynamo_ignoring_logging(skipped_logging_calls())

@@ -1,0 +1,134 @@
+"""``FuserConfig.ignore_logging`` (fuser/tracing.py): a ``logger.warning_once`` between the lm_head and the loss, as
+transformers' ``loss_function`` logs it for GPT-2-style classes, breaks no graph under ``fuser.optimize``,
+``optimize_`` and ``explain``, so the loss fuses and the step equals eager; Dynamo's setting holds only inside those
+calls; switched off (or through ``torch.compile(backend="fuser")``) the break stays, and the reports say where."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from fuser.tracing import skipped_logging_calls
+
+pytest.importorskip("transformers")
+import transformers.utils.logging  # noqa: E402,F401  (adds warning_once / info_once to logging.Logger)
+
+LOG = logging.getLogger("tests.tracing")
+H, V = 16, 37
+AOT = {"strict": True, "inner_compiler": "aot_eager"}
+
+
+class WarnsBeforeTheLoss(torch.nn.Module):
+    """An lm_head, a ``warning_once`` (transformers' ``loss_function``: an unrecognised ``loss_type``), the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        LOG.warning_once("`loss_type=None` was set in the config but it is unrecognized.")
+        return F.cross_entropy(logits.float().view(-1, V), labels.view(-1))
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 7, H, generator=g, requires_grad=True), torch.randint(0, V, (2, 7), generator=g)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return WarnsBeforeTheLoss()
+
+
+def _ignored() -> set:
+    config = torch._dynamo.config
+    return set(getattr(config, "ignore_logging_functions", None) or getattr(config, "ignore_logger_methods", set()))
+
+
+def _compiled_since(backend, start: int) -> tuple[dict[str, int], int]:
+    """(fused counts, graphs) of what ``backend`` compiled after its first ``start`` graphs (a backend is one object
+    per config, shared with the other tests)."""
+    results = backend.results[start:]
+    counts: dict[str, int] = {}
+    for result in results:
+        for name, n in result.counts.items():
+            counts[name] = counts.get(name, 0) + n
+    return counts, len(results)
+
+
+def _step(run, h, labels):
+    h = h.detach().clone().requires_grad_()
+    loss = run(h, labels)
+    loss.backward()
+    return loss.detach(), h.grad
+
+
+def _assert_equal_to_eager(compiled, model, h, labels):
+    loss, dh = _step(compiled, h, labels)
+    eager = copy.deepcopy(model)
+    loss_ref, dh_ref = _step(eager, h, labels)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dh, dh_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_once_methods_are_the_ones_skipped():
+    assert skipped_logging_calls() == [logging.Logger.warning_once, logging.Logger.info_once]
+
+
+def test_optimize_fuses_the_loss_across_a_warning_once_and_equals_eager(model, inputs):
+    before, backend = _ignored(), fuser.backend(AOT)
+    start, breaks = len(backend.results), len(backend.breaks)
+    compiled = fuser.optimize(model, AOT)
+    _assert_equal_to_eager(compiled, model, *inputs)
+    assert _compiled_since(backend, start) == ({"linear_cross_entropy": 1}, 1)
+    assert backend.breaks[breaks:] == []
+    assert _ignored() == before  # held only inside the call
+    assert type(compiled).__name__ == "OptimizedModule" and list(compiled.state_dict()) == ["_orig_mod.lm_head.weight"]
+
+
+def test_optimize_in_place_fuses_the_loss_across_a_warning_once(model, inputs):
+    keys, backend = list(model.state_dict()), fuser.backend(AOT)
+    start, reference = len(backend.results), copy.deepcopy(model)
+    assert fuser.optimize_(model, AOT) is model
+    _assert_equal_to_eager(model, reference, *inputs)
+    assert _compiled_since(backend, start) == ({"linear_cross_entropy": 1}, 1)
+    assert type(model) is WarnsBeforeTheLoss and list(model.state_dict()) == keys
+
+
+def test_other_compiled_code_still_breaks_at_the_call(model, inputs):
+    fuser.optimize(model, AOT)(*inputs)
+    graphs = []
+    torch.compile(copy.deepcopy(model), backend=lambda gm, _: graphs.append(gm) or gm.forward)(*inputs)
+    assert len(graphs) == 2  # Dynamo's default, outside fuser's calls
+
+
+def test_switched_off_the_break_stays_and_explain_says_where_and_why(model, inputs):
+    report = fuser.explain(model, *inputs, config=fuser.FuserConfig(ignore_logging=False))
+    assert report.counts == {} and report.graphs == 2, str(report)
+    (miss,) = [nm for nm in report.near_misses if nm.pattern == "linear_cross_entropy"]
+    assert "the logits are the input `logits`" in miss.reason and "graph break" in miss.reason, miss.reason
+    (brk,) = report.breaks
+    assert "test_tracing.py:" in brk.where and "LOG.warning_once(" in brk.where, brk.where
+    assert any("logging.Logger" in m for m in report.break_messages), report.break_messages
+    text = str(report)
+    assert "graph breaks" in text and "LOG.warning_once(" in text and "Dynamo's graph-break messages" in text
+    assert fuser.explain(model, *inputs).counts == {"linear_cross_entropy": 1}  # on by default
+
+
+def test_by_name_the_break_stays_and_the_backends_report_says_where(model, inputs):
+    backend = fuser.backend(AOT)
+    start, breaks = len(backend.results), len(backend.breaks)
+    loss = torch.compile(model, backend="fuser", options=dict(AOT))(*inputs)
+    loss.backward()
+    assert _compiled_since(backend, start) == ({}, 2)
+    (brk,) = backend.breaks[breaks:]
+    assert "LOG.warning_once(" in brk.where
+    assert any("LOG.warning_once(" in b.where for b in fuser.report().breaks)
