@@ -363,6 +363,16 @@ def _cast(node: Node) -> Canon | None:
     return Canon("to", (x, dtype if dtype is not None else xt.dtype))
 
 
+def _contiguous(node: Node) -> Canon | None:
+    """``x.contiguous()`` (the same values, in row-major layout); another ``memory_format`` is nothing."""
+    kwargs = dict(node.kwargs)
+    if len(node.args) != 1 or tensor_meta(node.args[0]) is None:
+        return None
+    if kwargs.pop("memory_format", torch.contiguous_format) is not torch.contiguous_format or kwargs:
+        return None
+    return Canon("contiguous", (node.args[0],))
+
+
 def canonical(node: Any) -> Canon | None:
     """Read ``node`` as one canonical op, or ``None`` when it is nothing the patterns know."""
     if not isinstance(node, Node):
@@ -371,6 +381,8 @@ def canonical(node: Any) -> Canon | None:
         cast = _cast(node)
         if cast is not None:
             return cast
+        if node.target == "contiguous":
+            return _contiguous(node)
         op = _METHODS.get(node.target)
     elif node.op == "call_function":
         op = _FUNCTIONS.get(node.target)

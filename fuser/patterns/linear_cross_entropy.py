@@ -2,6 +2,7 @@
 
     transformers 5     linear(h[:, -0:, :], W) → .float() → view(-1, V) → cross_entropy(.., ignore_index, reduction)
                        (``ForCausalLMLoss``; ``reduction="sum"`` and a division when ``num_items_in_batch`` is given)
+    OPT                lm_head(h).contiguous()                   a copy of the logits in row-major layout
     Cohere             logits * logit_scale                      a constant scale before the loss
     Granite            logits / logits_scaling                   its inverse is the scale
     Gemma-2            tanh(logits / cap) * cap                  final-logit softcapping (after any scale)
@@ -136,6 +137,7 @@ def _loss_of(logits: Any) -> Op:
 # transformers' `hidden_states[:, slice(-logits_to_keep, None), :]` with logits_to_keep=0 selects everything
 hidden = OneOf(Op("whole", V("h")), V("h"))
 logits = OptCast(Op("linear", hidden, V("w"), OneOf(V("b"), None)), "linear_cast")
+logits = OneOf(Op("contiguous", logits), logits)  # OPT: lm_head(h).contiguous()
 
 VARIANTS = [
     Variant("causal lm", _loss_of(logits)),

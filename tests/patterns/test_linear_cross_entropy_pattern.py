@@ -44,6 +44,11 @@ def hf_causal_lm(h, w, b, y):  # transformers 5: logits_to_keep=0 slice, pad-and
     return loss, logits
 
 
+def contiguous_logits(h, w, b, y):  # OPT: lm_head(h).contiguous(), the logits returned
+    logits = F.linear(h, w).contiguous()
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1), ignore_index=-100), logits
+
+
 def scale_multiply(h, w, b, y):  # Cohere: logits * logit_scale
     return F.cross_entropy((F.linear(h, w) * 0.25).float().view(-1, V), y.view(-1))
 
@@ -97,6 +102,7 @@ VARIANTS = [
     plain,
     upcast,
     hf_causal_lm,
+    contiguous_logits,
     scale_multiply,
     scale_divide,
     softcap,
