@@ -17,6 +17,10 @@ partner does not share cos/sin is rotated by the same op alone.
 
     Llama-4 text      view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * freqs_cis[:, :, None]).flatten(3)
                       on [B, T, H, D]: the op runs on the [B, H, T, D] view, with cos/sin taken from freqs_cis
+
+    NanoChat          x * cos + cat(x2, -x1) * sin: rotate_half with the sign on the other half, which is
+                      -rotate_half(x); that is x * cos + rotate_half(x) * (-sin), exactly (negation is exact, and
+                      (-a)(-b) = ab), so the op gets -sin: a rotation the other way
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ Node = torch.fx.Node
 
 def _rotate_half(x):
     return Op("cat", Op("neg", Op("slice_last", x, S("h"), S("r_end"), 1)), Op("slice_last", x, 0, S("h"), 1), -1)
+
+
+def _rotate_half_flipped(x):
+    """NanoChat: ``cat(x2, -x1)``, the negated ``rotate_half``."""
+    return Op("cat", Op("slice_last", x, S("h"), S("r_end"), 1), Op("neg", Op("slice_last", x, 0, S("h"), 1)), -1)
 
 
 def _rotate_interleaved(x):
@@ -81,12 +90,14 @@ class RopeForm:
     # the op's layout: rotate_half's halves, even/odd pairs, or DeepSeek-V3's pairs in and halves out
     layout: Literal["half", "interleaved", "pairs_to_halves"]
     complex_freqs: bool = False  # rotations as complex numbers on [B, T, H, D] (Llama-4): its own check
+    negated_sin: bool = False  # the model's rotate is -rotate_half (NanoChat): the op gets -sin
 
 
 VARIANTS = [
     Variant("half, partial", _partial(_rotate_half), RopeForm("half")),
     Variant("interleaved, partial", _partial(_rotate_interleaved), RopeForm("interleaved")),
     Variant("half", _rope(V("x"), _rotate_half), RopeForm("half")),
+    Variant("half, sign flipped", _rope(V("x"), _rotate_half_flipped), RopeForm("half", negated_sin=True)),
     Variant("interleaved", _rope(V("x"), _rotate_interleaved), RopeForm("interleaved")),
     Variant("pairs to halves", _pairs_to_halves(), RopeForm("pairs_to_halves")),
     Variant("complex", _complex(), RopeForm("interleaved", complex_freqs=True)),
@@ -101,6 +112,17 @@ class RepeatHalves(ArgExpr):
 
     def build(self, graph: torch.fx.Graph) -> Node:
         return graph.call_function(torch.cat, ([self.source, self.source],), {"dim": -1})
+
+
+@dataclass(frozen=True)
+class Negated(ArgExpr):
+    """``-source``: the sin of a rotation written with ``-rotate_half`` (NanoChat), as the op's ``rotate_half``
+    form reads it."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return graph.call_function(torch.neg, (self.source,))
 
 
 @dataclass(frozen=True)
@@ -201,6 +223,8 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         )
     if heads_third and pairs_to_halves:
         raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the pairs-to-halves form")
+    if heads_third and form.negated_sin:
+        raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the sign-flipped rotate_half form")
     if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
     # eager's x*cos + rotate(x)*sin promotes: bf16 q (an autocast linear) and fp32 cos/sin give fp32. Every
@@ -218,6 +242,8 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         cos, sin = b["cos"], b["sin"]
+    if form.negated_sin:
+        sin = Negated(b["sin"])
     x, adapter = b["x"], None
     if heads_third:
         x, cos, sin, adapter = Transposed12(x), Transposed12(cos), Transposed12(sin), transposed_back

@@ -55,12 +55,22 @@ def deepseek_v3(q, k, cos, sin):  # interleaved pairs in, halves out, no neg; co
     return q_embed, k_embed
 
 
+def rotate_half_flipped(x):  # NanoChat: the sign on the other half, -rotate_half(x)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def nanochat(q, k, cos, sin):  # a rotation by -angle: the op gets -sin
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half_flipped(q) * sin), (k * cos) + (rotate_half_flipped(k) * sin)
+
+
 def q_only(q, k, cos, sin):  # a lone rotation still fuses (into the same op, with no k)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), k * 2
 
 
-VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, q_only]
+VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, nanochat, q_only]
 
 
 def _inputs(dtype=torch.float32, requires_grad=False, cos_dtype=None):
@@ -205,10 +215,17 @@ def test_dtype_the_op_cannot_take_declines_with_reason(fn, reason):
 # --- near-misses --------------------------------------------------------------------------------------------
 
 
-def wrong_sign(q, k, cos, sin):  # cat(x2, -x1): not rotate_half
+def no_sign(q, k, cos, sin):  # cat(x2, x1): no negation, not a rotation
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     h = D // 2
-    rot = torch.cat((q[..., h:], -q[..., :h]), dim=-1)
+    rot = torch.cat((q[..., h:], q[..., :h]), dim=-1)
+    return q * cos + rot * sin, k
+
+
+def both_signs(q, k, cos, sin):  # cat(-x2, -x1): both halves negated, not a rotation
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    h = D // 2
+    rot = torch.cat((-q[..., h:], -q[..., :h]), dim=-1)
     return q * cos + rot * sin, k
 
 
@@ -233,11 +250,29 @@ def deepseek_wrong_pairing(q, k, cos, sin):  # odd channel where the even one be
 
 
 @pytest.mark.parametrize(
-    "fn", [wrong_sign, halves_swapped, uneven_split, deepseek_wrong_pairing], ids=lambda f: f.__name__
+    "fn", [no_sign, both_signs, halves_swapped, uneven_split, deepseek_wrong_pairing], ids=lambda f: f.__name__
 )
 def test_near_miss_does_not_match(fn):
     report = fuser.explain(fn, *_inputs())
     assert report.counts == {}, str(report)
+
+
+def test_sign_flipped_form_equals_an_fp64_rotation_by_minus_the_angle():
+    """NanoChat's ``x * cos + cat(x2, -x1) * sin`` fused (fp32) against the rotation by -angle computed in fp64,
+    forward and backward: the op's sign convention (it gets -sin) is exact, not approximate."""
+    q, k, cos, sin = _inputs(requires_grad=True)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(nanochat, backend=fuser.backend(config))(q, k, cos, sin)
+    assert fuser.backend(config).counts == {"rope": 1}
+    q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
+    ref = llama(q64, k64, cos.double(), -sin.double())  # rotate_half, sin negated
+    for o, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(o.double(), r, rtol=1e-6, atol=1e-6)
+    grads = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    torch.testing.assert_close(q.grad.double(), q64.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k.grad.double(), k64.grad, rtol=1e-6, atol=1e-6)
 
 
 def different_cos_for_q_and_k(q, k, cos, sin):
