@@ -204,8 +204,14 @@ def _try_patterns(
                         raise Decline(f"the nested graph `{graph_name}` returns values the fused op does not compute")
                 except Decline as why:
                     # optional parts (a no-op cast, a whole-tensor slice) give one block several structural
-                    # matches that decline for the same reason: report it once
-                    if str(why) not in reasons:
+                    # matches that decline for the same reason: report it once, also when the other match was
+                    # rooted at a no-op cast of this node (tried first: the walk goes from the last node back)
+                    covered = set(found.nodes)
+                    same = any(
+                        nm.pattern == pattern.name and nm.reason == str(why) and covered <= set(nm.nodes)
+                        for nm in result.near_misses
+                    )
+                    if str(why) not in reasons and not same:
                         reasons.add(str(why))
                         nm = NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes))
                         result.near_misses.append(nm)

@@ -7,9 +7,12 @@ and optionally multiplies by a weight. What differs is where the casts are and h
     OLMo-2      (w * (h * rsqrt(...))).to(in_dtype)              weight multiplied in fp32, then the cast
     Gemma       ((h * rsqrt(...)) * (1 + w.float())).type_as(x)  offset 1, all fp32
     Gemma-3n    h * pow(mean(h²) + eps, -0.5)
-    Dory        sum(h², -1, keepdim=True) / d instead of the mean
+    (any)       sum(h², -1, keepdim=True) / d instead of the mean
     nanochat    no weight at all
     torch       F.rms_norm / nn.RMSNorm
+
+Declared in order to decline it: Dory's (nGPT's) ``h * rsqrt(sum(h²) + eps)``, with no division by the hidden
+size, projects onto the unit sphere (an L2 norm), which is an RMSNorm only up to a factor ``√d`` and ``eps / d``.
 
 ``fuser.explain`` names a match by its form: ``llama``, ``olmo2``, ``gemma``, ``no weight`` or ``F.rms_norm`` (the
 others in the table are spellings of the normalisation inside them).
@@ -44,7 +47,7 @@ eps = S("eps")
 mean_square = OneOf(
     Op("mean", Op("pow", h, 2), (-1,), True),  # Llama: h.pow(2).mean(-1, keepdim=True)
     Op("mean", Op("mul", h, h), (-1,), True),  # h * h
-    Op("div", Op("sum", Op("pow", h, 2), (-1,), True), S("n_cols")),  # Dory: sum / hidden size
+    Op("div", Op("sum", Op("pow", h, 2), (-1,), True), S("n_cols")),  # sum / hidden size
 )
 variance_eps = Op("add", mean_square, eps)
 normed = OneOf(
@@ -61,6 +64,7 @@ class NormForm:
     # Gemma), or None (no weight, or torch's own); what tells the forms apart, though the op rounds once either way
     weight_cast: Literal["before", "after"] | None = None
     functional: bool = False  # torch's rms_norm: its normalized_shape must be the last dim alone
+    unit_length: bool = False  # an L2 norm (sum of squares, no division by d): declined
 
 
 VARIANTS = [
@@ -78,6 +82,12 @@ VARIANTS = [
     ),
     # nanochat, DeepSeek-V4 parts: no weight
     Variant("no weight", OptCast(normed, "out_cast"), NormForm()),
+    # Dory (nGPT): h * rsqrt(sum(h²) + eps), unit length rather than unit RMS: declined by the check
+    Variant(
+        "l2 norm",
+        Op("mul", h, Op("rsqrt", Op("add", Op("sum", Op("pow", h, 2), (-1,), True), eps))),
+        NormForm(unit_length=True),
+    ),
     # torch.nn.functional.rms_norm and torch.nn.RMSNorm
     Variant(
         "F.rms_norm",
@@ -89,6 +99,11 @@ VARIANTS = [
 
 def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
+    if variant.params.unit_length:
+        raise Decline(
+            "an L2 norm, h * rsqrt(sum(h²) + eps): the sum of squares is not divided by the hidden size, so it "
+            "scales h to unit length, not unit RMS; the fused op computes an RMSNorm only"
+        )
     x = strip_exact_upcast(b["h"])
     xt = tensor_meta(x)
     if xt.dtype not in FLOAT_DTYPES:

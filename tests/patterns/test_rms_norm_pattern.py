@@ -43,7 +43,7 @@ def divide_by_sqrt(x, w):  # h / sqrt(var + eps), method spellings
     return w * (h / (h * h).mean(dim=-1, keepdim=True).add(EPS).sqrt()).to(x.dtype)
 
 
-def dory(x, w):  # sum of squares divided by the hidden size
+def sum_over_size(x, w):  # sum of squares divided by the hidden size
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / N + EPS)).to(x.dtype)
 
@@ -83,7 +83,7 @@ VARIANTS = [
     gemma,
     gemma3n,
     divide_by_sqrt,
-    dory,
+    sum_over_size,
     no_weight,
     deepseek_v4_unweighted,
     functional,
@@ -190,7 +190,7 @@ def weight_on_wrong_axis(x, w):  # a per-row scale, not a per-channel weight
     return w[:5, None] * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
-def dory_wrong_divisor(x, w):
+def sum_wrong_divisor(x, w):
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / (N + 1) + EPS)).to(x.dtype)
 
@@ -200,7 +200,7 @@ def different_tensors(x, w):  # the variance of one tensor normalising another
     return w * ((h + 1) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
-NEAR_MISSES = [layer_norm, mean_over_other_dim, no_eps, dory_wrong_divisor, different_tensors, hand_written_layer_norm]
+NEAR_MISSES = [layer_norm, mean_over_other_dim, no_eps, sum_wrong_divisor, different_tensors, hand_written_layer_norm]
 
 
 @pytest.mark.parametrize("fn", NEAR_MISSES, ids=_name)
@@ -212,6 +212,19 @@ def test_near_miss_does_not_match(fn):
         _assert_compiled_equals_eager(fn)
     else:
         assert report.counts == {}, str(report)
+
+
+def l2_norm(x, w):  # Dory (nGPT): unit length, the sum of squares not divided by the hidden size
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + EPS)).type_as(x)
+
+
+def test_l2_norm_declines_saying_it_is_not_an_rms_norm():
+    report = fuser.explain(l2_norm, *_inputs(torch.float32))
+    assert report.counts == {}, str(report)
+    (miss,) = [nm for nm in report.near_misses if nm.pattern == "rms_norm"]  # one per norm, not one per root
+    assert "an L2 norm" in miss.reason and "not divided by the hidden size" in miss.reason, miss.reason
+    _assert_compiled_equals_eager(l2_norm)
 
 
 def test_weight_on_wrong_axis_declines_the_weight():
