@@ -132,7 +132,8 @@ def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib
     compiled ``__call__`` of the original) or a module that ``module.compile()`` compiled in place (its
     ``_compiled_call_impl``). ``torch.compile`` gives a backend no hook of its own around calls: Dynamo enters a
     backend's ``backend_ctx_ctor`` only for ``torch._dynamo.optimize(backend)``, and ``torch.compile`` hands
-    Dynamo its own wrapper of the backend instead. Type, parameters and ``state_dict`` keys are unchanged.
+    Dynamo its own wrapper of the backend instead. Type, parameters and ``state_dict`` keys are unchanged; a
+    pickled or deep-copied ``OptimizedModule`` rebuilds its ``forward`` without the context (Dynamo's default).
     """
     attribute = "forward" if is_compiled_wrapper(compiled) else "_compiled_call_impl"
     inner = getattr(compiled, attribute, None)
