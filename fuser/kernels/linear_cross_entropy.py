@@ -51,6 +51,7 @@ import contextlib
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 
 from fuser._dtypes import HALF_DTYPES
 from fuser.kernels._triton import (
@@ -177,11 +178,15 @@ def _reference_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale
     in_range = (labels >= 0) & (labels < vocab)
     safe = torch.where(in_range, labels, torch.zeros_like(labels)).long()
     z_label = z.gather(1, safe[:, None])[:, 0]
-    loss = torch.where(valid, lse - z_label, torch.zeros_like(lse))
+    # the loss and the label's gradient from the other columns' log-sum-exp: with xr = lse_rest − z_label,
+    # loss = softplus(xr) and p_label − 1 = −sigmoid(xr). Where p_label ≈ 1, lse − z_label and p_label − 1 would be
+    # differences of nearly equal numbers (an fp32 loss below ~6e-8 of lse comes out as 0)
+    target = (torch.arange(vocab, device=z.device)[None, :] == labels[:, None]) & in_range[:, None]
+    xr = torch.logsumexp(z.masked_fill(target, float("-inf")), dim=-1) - z_label
+    loss = torch.where(valid, F.softplus(xr), torch.zeros_like(lse))
     loss_rows.copy_(torch.where(valid & ~in_range, torch.full_like(loss, float("nan")), loss))
     if write_grad:
-        d = torch.exp(z - lse[:, None])
-        d.scatter_add_(1, safe[:, None], torch.where(in_range, -1.0, 0.0).to(compute)[:, None])
+        d = torch.where(target, -torch.sigmoid(xr)[:, None], torch.exp(z - lse[:, None]))
         if softcap:
             d = d * (1.0 - t * t)
         row_scale = torch.where(valid, scale.to(compute) * logit_scale, torch.zeros((), dtype=compute))
@@ -226,8 +231,10 @@ if HAS_TRITON:
         row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)
         # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
+        # (s_rest: the same sum without the label's column)
         m = tl.full((), -float("inf"), tl.float32)
         s = tl.zeros((), tl.float32)
+        s_rest = tl.zeros((), tl.float32)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
@@ -235,14 +242,25 @@ if HAS_TRITON:
             z, _ = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
             z = tl.where(mask, z, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            e = tl.exp(z - m_new)
+            rescale = tl.exp(m - m_new)
+            s = s * rescale + tl.sum(e, axis=0)
+            s_rest = s_rest * rescale + tl.sum(tl.where(cols == label, 0.0, e), axis=0)
             m = m_new
         lse = m + tl.log(s)
         valid = label != ignore_index
         out_of_range = (label < 0) | (label >= n_cols)
         x_label = tl.load(row_ptr + label, mask=valid & (~out_of_range), other=0.0).to(tl.float32)
         z_label, _ = _transform(x_label, logit_scale, softcap, HAS_SOFTCAP)
-        loss = tl.where(valid, lse - z_label, 0.0)
+        # loss = softplus(xr), p_label − 1 = −sigmoid(xr), xr = lse_rest − z_label: no difference of nearly equal
+        # numbers where p_label ≈ 1 (lse − z_label would round a loss below ~6e-8 of lse to 0); log1p by
+        # log(w)·u/(w − 1), w = 1 + u, exact to fp32 rounding without libdevice (the interpreter has none)
+        xr = m + tl.log(s_rest) - z_label
+        u = tl.exp(-tl.abs(xr))
+        w = 1.0 + u
+        softplus = tl.maximum(xr, 0.0) + tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+        label_grad = -1.0 / (1.0 + tl.exp(-xr))
+        loss = tl.where(valid, softplus, 0.0)
         loss = tl.where(valid & out_of_range, float("nan"), loss)
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
@@ -253,7 +271,7 @@ if HAS_TRITON:
                 mask = cols < n_cols
                 x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 z, t = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
-                d = (tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)) * (c * logit_scale)
+                d = tl.where(cols == label, label_grad, tl.exp(z - lse)) * (c * logit_scale)
                 if HAS_SOFTCAP:
                     d = d * (1.0 - t * t)
                 tl.store(row_ptr + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
