@@ -23,10 +23,10 @@ alone), and each buildable model:
 
 With ``--train-check``: one fp32 training step through ``fuser.optimize(model, FuserConfig(inner_compiler=
 "aot_eager", strict=True))`` (strict: a failed rewrite raises instead of running unfused) and one in eager fp32,
-both against the same step in fp64: the loss and every parameter gradient within 1e-4 relative of fp64's (norm
-of the difference over the norm of fp64's, as tests/models do; over ``GRAD_FLOOR`` of the whole gradient's norm
-where a gradient's own norm is smaller), or no further from it than eager fp32's: ``equal`` / ``not equal`` /
-the error.
+and one in fp64: the loss and every parameter gradient within 1e-4 relative of eager fp32's (norm of the
+difference over the norm of fp64's, as tests/models do; over ``GRAD_FLOOR`` of the whole gradient's norm where a
+gradient's own norm is smaller), or of fp64's, or no further from fp64's than eager fp32's: ``equal`` /
+``not equal`` / the error.
 
     python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_2026-12-01.md          # every type
     python benchmarks/coverage.py --only llama,qwen3,gemma2 --out /tmp/coverage.md --train-check
@@ -452,10 +452,12 @@ def verdict(eager: int, fused: int, reasons: list[str]) -> dict[str, Any]:
 
 
 def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
-    """One fp32 step through fuser (aot_eager) versus eager, both judged against the same step in fp64: 'equal'
-    (every gradient and the loss within ``GRAD_RTOL`` of fp64's, or no further from it than eager fp32's), or what
-    differed. Against fp64 rather than against eager: where eager fp32 is itself imprecise (a loss near 0, whose
-    softmax gradient is a difference of nearly equal numbers) a more precise fused op would otherwise fail."""
+    """One fp32 step through fuser (aot_eager) versus eager fp32 and the same step in fp64: 'equal' (the loss and
+    every gradient within ``GRAD_RTOL`` of eager fp32's, or of fp64's, or no further from fp64's than eager
+    fp32's), or what differed. fp64 besides eager: where eager fp32 is itself imprecise (a loss near 0, whose
+    softmax gradient is a difference of nearly equal numbers) a more precise fused op would otherwise fail. A zero
+    gradient on one side counts as none on the other (a compiled graph returns zeros for a parameter that only
+    feeds an unused output: big_bird's pooler)."""
     import fuser
 
     inner, note = "aot_eager", ""
@@ -494,10 +496,14 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
         loss, grads = step(model, True, torch.float32)
     torch._dynamo.reset()
     bad = []
-    if not abs(loss - loss64) <= max(GRAD_RTOL * abs(loss64), abs(loss_eager - loss64)):
+    if not (
+        abs(loss - loss64) <= max(GRAD_RTOL * abs(loss64), abs(loss_eager - loss64))
+        or abs(loss - loss_eager) <= GRAD_RTOL * abs(loss_eager)
+    ):
         bad.append(f"loss {loss.item():.6g} vs fp64 {loss64.item():.6g} (eager fp32 {loss_eager.item():.6g})")
-    if set(grads) != set(grads_eager):
-        bad.append(f"{len(set(grads) ^ set(grads_eager))} parameters with a gradient on one side only")
+    one_sided = [n for n in set(grads) ^ set(grads_eager) if (grads.get(n, grads_eager.get(n)) != 0).any()]
+    if one_sided:
+        bad.append(f"{len(one_sided)} parameters with a nonzero gradient on one side only")
     # a gradient that is zero in exact arithmetic (a key bias, which softmax cancels; a router that routes by hash)
     # is rounding noise: each gradient is compared relative to its own norm, or to GRAD_FLOOR of the whole model's
     # gradient norm where its own is below that
@@ -506,7 +512,9 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
         scale = torch.maximum(grads64[name].norm(), GRAD_FLOOR * whole).clamp_min(1e-30)
         err = ((grads[name] - grads64[name]).norm() / scale).item()
         err_eager = ((grads_eager[name] - grads64[name]).norm() / scale).item()
-        if not err <= max(GRAD_RTOL, err_eager):
+        # equal to eager fp32 within the tolerance (the model tests' rule), or as close to fp64 as eager fp32 is
+        from_eager = ((grads[name] - grads_eager[name]).norm() / scale).item()
+        if not (err <= max(GRAD_RTOL, err_eager) or from_eager <= GRAD_RTOL):
             bad.append(f"grad {name} rel {err:.2e} from fp64 (eager fp32 {err_eager:.2e})")
     note += reference.replace(":", "")
     if not bad:
