@@ -234,7 +234,6 @@ def _dx_triton(
     n_in = weight.shape[1]
     dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device) if out is None else out.view(n_rows, n_in)
     cfg = _config("dx", dy.device)
-    cfg.setdefault("ROW_TILES", 1)
     if n_rows:
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
