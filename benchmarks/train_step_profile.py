@@ -88,6 +88,70 @@ def kernel_times_from_trace(trace: dict) -> dict[str, list[float]]:
     return dict(times)
 
 
+GAP_US = 10.0  # GPU idle shorter than this is launch latency, not a host stall
+
+
+def _innermost_ops(ops_by_tid: dict, tid, t: float) -> list[str]:
+    """Names of the CPU ops on thread ``tid`` running at time ``t``, outermost first (the profiler nests them)."""
+    import bisect
+
+    starts, ops = ops_by_tid.get(tid, ([], []))
+    chain = []
+    for i in range(bisect.bisect_right(starts, t) - 1, max(-1, bisect.bisect_right(starts, t) - 5000), -1):
+        op = ops[i]
+        if op["ts"] + op.get("dur", 0.0) >= t:
+            chain.append(op["name"])
+    return chain[::-1]
+
+
+def idle_gaps(trace: dict, n_steps: int) -> str:
+    """Markdown: where the GPU sits idle (no kernel, copy or set on any stream for over ``GAP_US``), attributed to
+    what the host was doing when it launched the kernel that ended the gap: the innermost CPU op enclosing that
+    launch, and the fuser/aten op above it. Needs a trace with CPU activity."""
+    events = trace.get("traceEvents", [])
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        # Triton launches through the driver API (cuLaunchKernelEx), cuBLAS and aten through the runtime
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    ops_by_tid: dict = {}
+    for e in sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"), key=lambda e: e["ts"]):
+        starts, ops = ops_by_tid.setdefault(e["tid"], ([], []))
+        starts.append(e["ts"])
+        ops.append(e)
+    by_op: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    busy_until, total, count = None, 0.0, 0
+    for e in gpu:
+        if busy_until is not None and e["ts"] - busy_until > GAP_US:
+            gap = e["ts"] - busy_until
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            chain = _innermost_ops(ops_by_tid, launch["tid"], launch["ts"]) if launch else []
+            named = [n for n in chain if n.startswith(("fuser::", "aten::", "triton", "## ", "Torch-Compiled"))]
+            where = " / ".join(dict.fromkeys((named[-2:] if named else chain[-1:]) or ["(no CPU op)"]))
+            entry = by_op[f"{where[:120]} → `{e['name'][:50]}`"]
+            entry[0] += gap
+            entry[1] += 1
+            total += gap
+            count += 1
+        end = e["ts"] + e.get("dur", 0.0)
+        busy_until = end if busy_until is None else max(busy_until, end)
+    rows = [
+        [name.replace("|", "\\|"), f"{n / n_steps:g}", f"{t / 1e3 / n_steps:.3f}", f"{t / max(total, 1e-9):.1%}"]
+        for name, (t, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:20]
+    ]
+    head = (
+        f"GPU idle gaps over {GAP_US:g} µs: {count / n_steps:g} per step, {total / 1e3 / n_steps:.2f} ms per step, "
+        "by the host op that launched the kernel ending the gap (the op's CPU time is what the GPU waited for):\n\n"
+    )
+    columns = ["launched in → kernel", "gaps / step", "ms / step", "% of idle"]
+    return head + markdown_table(columns, rows, label_columns=1)
+
+
 def family_table(times: dict[str, list[float]], n_steps: int, wall_ms: float | None) -> tuple[str, str]:
     """Markdown: ms per step and share of kernel time by family; and the top-15 kernels."""
     fuser_kernels = fuser_kernel_names()
@@ -125,9 +189,10 @@ def profile_steps(result, args, batches, train_step, sync, device: torch.device)
 
     out_dir = Path(args.profile)
     out_dir.mkdir(parents=True, exist_ok=True)
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    # on CUDA the CPU ops too, so idle_gaps can say what the host was doing while the GPU waited
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     sync()
-    with profile(activities=[activity]) as prof:
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for ids in batches:
             train_step(ids)
@@ -151,11 +216,12 @@ def profile_steps(result, args, batches, train_step, sync, device: torch.device)
         times = {e.key: [e.self_cpu_time_total, e.count] for e in prof.key_averages() if e.self_cpu_time_total > 0}
         what = "CPU self time per op (torch.profiler, CPU activity; a smoke test of the code path only)"
     families, top = family_table(times, len(batches), wall_ms)
+    gaps = f"\n{idle_gaps(trace, len(batches))}\n" if device.type == "cuda" else ""
     header = report_header(f"Profile: {result['job']}, {MODE_TITLES[result['mode']]}", [result])
     text = (
         f"{header}\n{what} over {len(batches)} steps after {args.warmup} warm-up and {args.steps} timed steps; "
         f"per step, batch {result['batch']}×{result['seq']}.\n\n"
-        f"{families}\n\nTop 15 kernels:\n\n{top}\n"
+        f"{families}\n\nTop 15 kernels:\n\n{top}\n{gaps}"
     )
     path = out_dir / f"{stem}.md"
     path.write_text(text)
