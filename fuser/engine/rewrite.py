@@ -262,10 +262,17 @@ def find_matches(gm: torch.fx.GraphModule, patterns: list[Pattern], config: Fuse
     return result
 
 
-def _copy_source_meta(source: Node, target: Node) -> None:
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+# what ties a node to the user's code: its source line, its submodule, the function it came from
+SOURCE_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def copy_source_meta(source: Node, *targets: Node) -> None:
+    """Give ``targets`` (nodes a rewrite inserts in ``source``'s place) ``source``'s link to the user's code, so
+    reports, Inductor's kernel names and error messages still point at the model's own line."""
+    for key in SOURCE_META_KEYS:
         if key in source.meta:
-            target.meta[key] = source.meta[key]
+            for target in targets:
+                target.meta[key] = source.meta[key]
 
 
 def apply_matches(result: RewriteResult) -> None:
@@ -298,7 +305,7 @@ def apply_matches(result: RewriteResult) -> None:
             args = tuple(_built(resolve(a), graph) for a in replacement.args)
             kwargs = {k: _built(resolve(v), graph) for k, v in replacement.kwargs.items()}
             call = graph.call_function(replacement.op, args, kwargs)
-        _copy_source_meta(root, call)
+        copy_source_meta(root, call)
         for old, index in outputs:
             fused = call
             with graph.inserting_before(first):
@@ -306,7 +313,7 @@ def apply_matches(result: RewriteResult) -> None:
                     fused = graph.call_function(operator.getitem, (call, index))
                 if replacement.output_adapter is not None:
                     fused = replacement.output_adapter(graph, fused)
-            _copy_source_meta(old, fused)
+            copy_source_meta(old, fused)
             if "example_value" in old.meta:
                 fused.meta["example_value"] = old.meta["example_value"]
             old.replace_all_uses_with(fused)

@@ -402,6 +402,14 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, 8
 
 
+def _launch_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], dict[str, int]]:
+    """Both kernels' launch over ``[n_rows, n_cols]``: the 1-D grid of tiles (column blocks fastest, as ``_tile``
+    numbers them) and the tile sizes and warps of :func:`_launch_config`, as the kernels' keyword arguments."""
+    block_m, block_n, num_warps = _launch_config(n_cols)
+    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}
+
+
 def _row_stride(t: torch.Tensor | None) -> int:
     return t.stride(0) if t is not None else 0
 
@@ -411,8 +419,7 @@ def _launch_forward(gate2, up2, gate_lora2, up_lora2, out2, gate_sum2, up_sum2, 
     n_rows, n_cols = gate2.shape
     if n_rows == 0 or n_cols == 0:
         return
-    block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid, tiles = _launch_grid(n_rows, n_cols)
     gated_act_fwd_kernel[grid](
         gate2,
         up2,
@@ -435,9 +442,7 @@ def _launch_forward(gate2, up2, gate_lora2, up_lora2, out2, gate_sum2, up_sum2, 
         ACTIVATION=_ACTIVATION_CODE[activation],
         HAS_GATE_LORA=gate_lora2 is not None,
         HAS_UP_LORA=up_lora2 is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
+        **tiles,
     )
 
 
@@ -447,8 +452,7 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
     written = [t for t in (dgate2, dup2, dgate_lora2, dup_lora2) if t is not None]
     if n_rows == 0 or n_cols == 0 or not written:
         return
-    block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid, tiles = _launch_grid(n_rows, n_cols)
     gated_act_bwd_kernel[grid](
         dout2,
         g2,
@@ -475,9 +479,7 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
         WRITE_DUP=dup2 is not None,
         WRITE_DGATE_LORA=dgate_lora2 is not None,
         WRITE_DUP_LORA=dup_lora2 is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
+        **tiles,
     )
 
 

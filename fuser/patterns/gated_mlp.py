@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -295,8 +295,18 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     )
 
 
-def plain_gated_product(x: Any) -> tuple | None:
-    """(gate, up, gate_scale, up_scale, activation) when ``x`` is ``fuser::gated_activation(gate, up, None, None,
+class GatedProduct(NamedTuple):
+    """The arguments of a ``fuser::gated_activation`` call without LoRA terms: what its product is recomputed from."""
+
+    gate: torch.fx.Node
+    up: torch.fx.Node
+    gate_scale: float
+    up_scale: float
+    activation: str
+
+
+def plain_gated_product(x: Any) -> GatedProduct | None:
+    """The :class:`GatedProduct` when ``x`` is ``fuser::gated_activation(gate, up, None, None,
     ...)[0]`` in a rewritten graph: a product the gated op's own forward can recompute from the gate and up it
     saves (not when it absorbed LoRA sums: it then saves the sums); None otherwise."""
     if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
@@ -311,7 +321,27 @@ def plain_gated_product(x: Any) -> tuple | None:
     gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
     if gate_lora is not None or up_lora is not None:
         return None
-    return gate, up, gate_scale, up_scale, activation
+    return GatedProduct(gate, up, gate_scale, up_scale, activation)
+
+
+def swap_in_gated_linear(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    op: torch._ops.OpOverload,
+    linear_args: tuple[Any, Any, Any],
+    product: GatedProduct,
+    kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Put ``op(x, gate, up, W, b, gate_scale, up_scale, activation, **kwargs)`` in place of ``node``, a linear layer
+    ``(x, W, b)`` of the gated ``product`` x: the argument list ``fuser::linear_gated`` and
+    ``fuser::upcast_linear_gated`` share, whose backward recomputes x from gate and up."""
+    x, weight, bias = linear_args
+    gated = (product.gate, product.up, weight, bias, product.gate_scale, product.up_scale, product.activation)
+    with graph.inserting_before(node):
+        refined = graph.call_function(op, (x, *gated), dict(kwargs or {}))
+    refined.meta.update(node.meta)
+    node.replace_all_uses_with(refined)
+    graph.erase_node(node)
 
 
 def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activations: frozenset[str]) -> int:
@@ -331,23 +361,14 @@ def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activa
             continue
         x, weight, bias = linear.args
         product = plain_gated_product(x)
-        if product is None:
-            continue
-        gate, up, gate_scale, up_scale, activation = product
         xt, wt = tensor_meta(x), tensor_meta(weight)
-        if activation not in activations or xt is None or wt is None:
+        if product is None or product.activation not in activations or xt is None or wt is None:
             continue
         if not wt.requires_grad or wt.dtype != xt.dtype or wt.dim() != 2:
             continue
         if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dtype != wt.dtype):
             continue
-        with graph.inserting_before(node):
-            refined = graph.call_function(
-                torch.ops.fuser.linear_gated.default, (x, gate, up, weight, bias, gate_scale, up_scale, activation)
-            )
-        refined.meta.update(node.meta)
-        node.replace_all_uses_with(refined)
-        graph.erase_node(node)
+        swap_in_gated_linear(graph, node, torch.ops.fuser.linear_gated.default, linear.args, product)
         n += 1
     return n
 

@@ -23,6 +23,7 @@ import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm
 from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
+from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 
@@ -114,9 +115,7 @@ def _split_wide(graph: torch.fx.Graph, node: torch.fx.Node) -> tuple[torch.fx.No
         pair.meta["example_value"] = (example, example.to(torch.float32))
         narrow.meta["example_value"] = example
         wide.meta["example_value"] = pair.meta["example_value"][1]
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in node.meta:
-            pair.meta[key] = narrow.meta[key] = wide.meta[key] = node.meta[key]
+    copy_source_meta(node, pair, narrow, wide)
     node.replace_all_uses_with(narrow)
     graph.erase_node(node)
     return narrow, wide
@@ -215,9 +214,7 @@ def _absorb_add(
         fused = graph.call_function(torch.ops.fuser.add_rms_norm.default, (h, node, *norm.args[1:6]))
     with graph.inserting_after(fused):
         total = graph.call_function(operator.getitem, (fused, 2))
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in norm.meta:
-            fused.meta[key] = total.meta[key] = norm.meta[key]
+    copy_source_meta(norm, fused, total)
     # the residual stream's next value keeps the metadata the other refinements read (its shape and dtype)
     total.meta.update({k: v for k, v in rounded.meta.items() if k not in fused.meta})
     norm.replace_all_uses_with(fused)  # its getitem 0 / 1 (y, rstd) are the fused op's

@@ -28,7 +28,7 @@ from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, V
 from fuser.options import check_fields
 from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
-from fuser.patterns.gated_mlp import plain_gated_product
+from fuser.patterns.gated_mlp import plain_gated_product, swap_in_gated_linear
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -86,20 +86,10 @@ def recompute_gated_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not upcast_op or set(node.kwargs) - {"allow_triton"}:
             continue
-        x, weight, bias = node.args
-        product = plain_gated_product(x)
+        product = plain_gated_product(node.args[0])
         if product is None:
             continue
-        gate, up, gate_scale, up_scale, activation = product
-        with graph.inserting_before(node):
-            refined = graph.call_function(
-                torch.ops.fuser.upcast_linear_gated.default,
-                (x, gate, up, weight, bias, gate_scale, up_scale, activation),
-                dict(node.kwargs),
-            )
-        refined.meta.update(node.meta)
-        node.replace_all_uses_with(refined)
-        graph.erase_node(node)
+        swap_in_gated_linear(graph, node, torch.ops.fuser.upcast_linear_gated.default, node.args, product, node.kwargs)
         n += 1
     return n
 
