@@ -115,13 +115,39 @@ def dynamo_ignoring_logging(functions: Sequence[Callable[..., Any]]) -> contextl
     import torch._dynamo.config as dynamo_config
 
     name = "ignore_logging_functions" if hasattr(dynamo_config, "ignore_logging_functions") else "ignore_logger_methods"
+    added = {IgnoredFunction(fn) for fn in functions}
 
     @contextlib.contextmanager
     def ignoring() -> Iterator[None]:
-        with dynamo_config.patch(**{name: set(getattr(dynamo_config, name)) | set(functions)}):
+        with dynamo_config.patch(**{name: set(getattr(dynamo_config, name)) | added}):
             yield
 
     return ignoring()
+
+
+class IgnoredFunction(str):
+    """A function in Dynamo's set of logging functions to skip, standing in for it: hashed as the function and equal
+    to it, so Dynamo's ``method in ignore_set or function in ignore_set`` finds it, and a string (the function's
+    qualified name), so the set can be sorted and JSON-dumped. Dynamo records its config with every compile's
+    metrics by sorting each set in it; torch 2.11 leaves ``ignore_logging_functions`` out of that record only
+    under its old name, so two ``functools.lru_cache`` wrappers in it (transformers' ``warning_once`` and
+    ``info_once``) made every compile log a ``TypeError`` traceback ("'<' not supported between instances of
+    'functools._lru_cache_wrapper'")."""
+
+    def __new__(cls, fn: Callable[..., Any]) -> IgnoredFunction:
+        name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None) or repr(fn)}"
+        self = super().__new__(cls, name)
+        self.fn = fn
+        return self
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.fn or (isinstance(other, IgnoredFunction) and other.fn is self.fn)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
 
 
 def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:

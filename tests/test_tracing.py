@@ -83,6 +83,21 @@ def test_the_once_methods_are_the_ones_skipped():
     assert skipped_logging_calls() == [logging.Logger.warning_once, logging.Logger.info_once]
 
 
+def test_the_skipped_set_can_be_logged_with_compile_metrics():
+    """Dynamo logs its config with every compile's metrics by sorting each set and JSON-dumping the result; torch 2.11
+    does not leave the ignored-logging set out, and two ``functools.lru_cache`` wrappers (``warning_once``,
+    ``info_once``) cannot be sorted: inside fuser's context the set sorts and dumps, and still holds the methods."""
+    import json
+
+    from fuser import _compat
+
+    with _compat.dynamo_ignoring_logging(skipped_logging_calls()):
+        ignored = _ignored()
+        assert json.dumps(sorted(ignored))
+        assert logging.Logger.warning_once in ignored and logging.Logger.info_once in ignored
+        assert logging.Logger.warning not in ignored
+
+
 def test_optimize_fuses_the_loss_across_a_warning_once_and_equals_eager(model, inputs):
     before, backend = _ignored(), fuser.backend(AOT)
     start, breaks = len(backend.results), len(backend.breaks)
