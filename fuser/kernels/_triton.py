@@ -148,10 +148,28 @@ def or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return t if t is not None else like.new_empty(0)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host code around the kernels. ``triton.cdiv`` is a constexpr function since Triton
+    3.x, whose calls from Python unwrap their arguments as constexprs: about 5 µs each, a few per launch, where every
+    µs of host time per op shows as idle GPU in a model of many small ops (benchmarks/host_overhead.py)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (0 for 0, as ``triton.next_power_of_2``), in plain Python, for the reason
+    :func:`cdiv` says."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_SM_COUNT: dict[int | None, int] = {}
+
+
 def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:
     """A persistent grid that fills the device: ``programs_per_sm`` per SM on a GPU, a handful on the interpreter."""
     if t.device.type == "cuda":
-        return programs_per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count
+        if t.device.index not in _SM_COUNT:  # the properties' lookup costs host time on every launch otherwise
+            _SM_COUNT[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
+        return programs_per_sm * _SM_COUNT[t.device.index]
     return 4
 
 

@@ -44,9 +44,11 @@ from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels._triton import (
     HAS_TRITON,
     as_rows,
+    cdiv,
     check_floating,
     compute_dtype,
     dispatch,
+    next_power_of_2,
     or_empty,
     out_rows,
     tl,
@@ -397,7 +399,7 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
     (``benchmarks/tune_gated_activation.py``, bf16, 8192–16384 rows, I 14336–28672): within 0.3% of the best of
     11 tile shapes in every pass, equal to Inductor's kernels; the former 4096-element tiles (16 per thread) were
     as fast for SwiGLU but 5–11% slower in GeGLU's backward (register pressure of the longer formula)."""
-    block_n = min(triton.next_power_of_2(n_cols), 1024)
+    block_n = min(next_power_of_2(n_cols), 1024)
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, 8
 
@@ -406,7 +408,7 @@ def _launch_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], dict[str, int]]:
     """Both kernels' launch over ``[n_rows, n_cols]``: the 1-D grid of tiles (column blocks fastest, as ``_tile``
     numbers them) and the tile sizes and warps of :func:`_launch_config`, as the kernels' keyword arguments."""
     block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (cdiv(n_rows, block_m) * cdiv(n_cols, block_n),)
     return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}
 
 

@@ -57,9 +57,11 @@ from fuser._dtypes import HALF_DTYPES
 from fuser.kernels._triton import (
     HAS_TRITON,
     as_rows,
+    cdiv,
     check_floating,
     check_linear,
     compute_dtype,
+    next_power_of_2,
     tl,
     triton,
     triton_runs,
@@ -356,7 +358,7 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
     if g.stride(1) != 1 or h_c.stride(1) != 1 or not dw_acc.is_contiguous():
         raise ValueError("fuser: lce_dweight_kernel needs unit-stride rows of g, h and a contiguous dw")
     cfg = DWEIGHT_CONFIG if dw_acc.is_cuda else _CPU_DWEIGHT_CONFIG
-    grid = (triton.cdiv(vocab, cfg["BLOCK_V"]) * triton.cdiv(hidden, cfg["BLOCK_H"]),)
+    grid = (cdiv(vocab, cfg["BLOCK_V"]) * cdiv(hidden, cfg["BLOCK_H"]),)
     lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
 
 
@@ -364,7 +366,7 @@ def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, s
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block_v = min(triton.next_power_of_2(n_cols), 8192 if logits.is_cuda else 1024)
+    block_v = min(next_power_of_2(n_cols), 8192 if logits.is_cuda else 1024)
     lce_chunk_kernel[(n_rows,)](
         logits,
         labels,
@@ -558,7 +560,7 @@ def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softca
 def _scale_inplace(g: torch.Tensor, s: torch.Tensor) -> None:
     """g *= s for a contiguous gradient buffer and a 0-dim fp32 device scalar; nothing is written when s == 1."""
     block = 4096 if g.is_cuda else 1024
-    scale_inplace_kernel[(triton.cdiv(g.numel(), block),)](g, g.numel(), s.reshape(1), BLOCK=block, num_warps=4)
+    scale_inplace_kernel[(cdiv(g.numel(), block),)](g, g.numel(), s.reshape(1), BLOCK=block, num_warps=4)
 
 
 def _setup_context(ctx, inputs, output):

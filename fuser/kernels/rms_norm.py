@@ -23,9 +23,11 @@ import torch
 from fuser.kernels._triton import (
     HAS_TRITON,
     as_rows,
+    cdiv,
     check_floating,
     compute_dtype,
     dispatch,
+    next_power_of_2,
     num_programs_for,
     or_empty,
     out_rows,
@@ -223,7 +225,7 @@ _MAX_BLOCK_N = 65536
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
     """Forward: (rows per program, BLOCK_N, warps). Within 3% of the best swept config on the H200."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_m = max(1, min(64, 4096 // block_n))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
     return block_m, block_n, num_warps
@@ -235,7 +237,7 @@ def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
     Larger tiles and fewer resident programs won: hidden 2048 best at 4 rows × 4 warps × 2 programs/SM,
     4096 at 4 × 8 × 1, 8192 at 2 × 16 × 1 (25–30% faster than one row × 4 programs/SM).
     """
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_m = max(1, min(64, (8192 if block_n <= 2048 else 16384) // block_n))
     num_warps = max(4, min(16, block_n // 512))
     programs_per_sm = 2 if block_n <= 2048 else 1
@@ -271,7 +273,7 @@ def rms_norm_forward_triton(
     y2 = out_rows(out)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (cdiv(n_rows, block_m),)
     if n_rows > 0:
         rms_norm_fwd_kernel[grid](
             x2,
@@ -323,7 +325,7 @@ def rms_norm_backward_triton(
     dx2 = out_rows(dx)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
-    n_programs = max(1, min(num_programs_for(x, programs_per_sm), triton.cdiv(n_rows, block_m)))
+    n_programs = max(1, min(num_programs_for(x, programs_per_sm), cdiv(n_rows, block_m)))
     rstd = rstd.reshape(-1).contiguous() if rstd is not None else None
     compute_dw = weight is not None and compute_dweight
     dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
@@ -343,7 +345,7 @@ def rms_norm_backward_triton(
             n_rows,
             n_cols,
             n_programs,
-            triton.cdiv(triton.cdiv(n_rows, block_m), n_programs),
+            cdiv(cdiv(n_rows, block_m), n_programs),
             eps,
             offset,
             HAS_WEIGHT=weight is not None,

@@ -46,10 +46,12 @@ import torch
 from fuser.kernels._triton import (
     HAS_TRITON,
     DtypeError,
+    cdiv,
     check_floating,
     compute_dtype,
     dispatch,
     kernel_dtypes,
+    next_power_of_2,
     tl,
     triton,
     use_triton,
@@ -431,14 +433,14 @@ _NUM_WARPS = 1
 def _launch_config(head_dim: int, rotary_dim: int, n_q_heads: int, n_k_heads: int) -> dict:
     """Tiles of ~``_PAIRS_PER_TILE`` pairs (1024 rotated elements): BLOCK_HALF over the pairs, head blocks of q
     and of k sized separately (a GQA k with 8 heads does not pad to q's 16), pass-through block over D − R."""
-    block_half = triton.next_power_of_2(rotary_dim // 2)
+    block_half = next_power_of_2(rotary_dim // 2)
     max_heads = max(1, _PAIRS_PER_TILE // block_half)
     n_pass = head_dim - rotary_dim
     return {
-        "Q_BLOCK_HEADS": min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads),
-        "K_BLOCK_HEADS": min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads),
+        "Q_BLOCK_HEADS": min(next_power_of_2(max(n_q_heads, 1)), max_heads),
+        "K_BLOCK_HEADS": min(next_power_of_2(max(n_k_heads, 1)), max_heads),
         "BLOCK_HALF": block_half,
-        "BLOCK_PASS": triton.next_power_of_2(n_pass) if n_pass > 0 else 1,
+        "BLOCK_PASS": next_power_of_2(n_pass) if n_pass > 0 else 1,
         "HAS_PASS": n_pass > 0,
         "num_warps": _NUM_WARPS,
     }
@@ -472,7 +474,7 @@ def _launch(
     has_k = _has_heads(src_k)
     n_k_heads = src_k.shape[1] if has_k else 0
     config = _launch_config(head_dim, rotary_dim, n_q_heads, n_k_heads)
-    n_blocks = triton.cdiv(n_q_heads, config["Q_BLOCK_HEADS"]) + triton.cdiv(n_k_heads, config["K_BLOCK_HEADS"])
+    n_blocks = cdiv(n_q_heads, config["Q_BLOCK_HEADS"]) + cdiv(n_k_heads, config["K_BLOCK_HEADS"])
     n_programs = batch * seq_len * n_blocks
     if n_programs == 0 or head_dim == 0:
         return

@@ -31,7 +31,18 @@ import torch
 import torch.nn.functional as F
 
 from fuser._dtypes import HALF_DTYPES
-from fuser.kernels._triton import HAS_TRITON, as_rows, check_floating, check_linear, or_empty, tl, triton, use_triton
+from fuser.kernels._triton import (
+    HAS_TRITON,
+    as_rows,
+    cdiv,
+    check_floating,
+    check_linear,
+    next_power_of_2,
+    or_empty,
+    tl,
+    triton,
+    use_triton,
+)
 from fuser.kernels.gated_activation import gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
@@ -187,12 +198,12 @@ def _config(kind: str, device: torch.device) -> dict:
 def _even_splits(n: int, max_splits: int, block: int) -> tuple[int, int]:
     """(items per split, splits): at most ``max_splits`` near-equal splits of ``n`` items, each a multiple of
     ``block`` (so no tile crosses into the next split), at least one split."""
-    per_split = triton.cdiv(triton.cdiv(max(n, 1), max_splits), block) * block
-    return per_split, max(1, triton.cdiv(n, per_split))
+    per_split = cdiv(cdiv(max(n, 1), max_splits), block) * block
+    return per_split, max(1, cdiv(n, per_split))
 
 
 def _out_p(n_out: int) -> int:
-    return max(16, triton.next_power_of_2(n_out))
+    return max(16, next_power_of_2(n_out))
 
 
 def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -206,7 +217,7 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k_per_split, splits = _even_splits(n_in, cfg.pop("SPLIT_K"), cfg["BLOCK_K"])
     y = _alloc(splits, n_rows, n_out, dtype=torch.float32, device=x.device)
     if n_rows:
-        upcast_linear_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]), splits)](
+        upcast_linear_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]), splits)](
             x2, weight, y, n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1), k_per_split,
             OUT_P=_out_p(n_out), **cfg,
         )  # fmt: skip
@@ -235,7 +246,7 @@ def _dx_triton(
     dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device) if out is None else out.view(n_rows, n_in)
     cfg = _config("dx", dy.device)
     if n_rows:
-        grid = (triton.cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), triton.cdiv(n_in, cfg["BLOCK_N"]))
+        grid = (cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
             dy2, weight, dx, dx if base is None else base, dx if wide_out is None else wide_out, float(scale),
             n_rows, n_in, n_out, weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None,
@@ -257,11 +268,11 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # the rows in a fixed number of splits (a function of the shapes; at least MIN_SPLIT_BLOCKS row blocks each),
     # each summed by one program per column block; the partial sums are added in a fixed order (deterministic)
     min_blocks = cfg.pop("MIN_SPLIT_BLOCKS", 8)
-    max_splits = max(1, min(cfg.pop("SPLITS"), triton.cdiv(n_rows, min_blocks * block_m)))
+    max_splits = max(1, min(cfg.pop("SPLITS"), cdiv(n_rows, min_blocks * block_m)))
     rows_per_split, splits = _even_splits(n_rows, max_splits, block_m)
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
-        upcast_linear_dw_kernel[(triton.cdiv(n_in, cfg["BLOCK_N"]), splits)](
+        upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
             dy2, x2, partial, n_rows, n_in, n_out, x2.stride(0), rows_per_split, OUT_P=out_p, **cfg
         )
     else:
