@@ -1,4 +1,5 @@
-"""What each of the two gloo processes of tests/integrations/test_distributed.py runs (spawned: importable by name).
+"""What each process of tests/integrations/test_distributed.py runs (spawned: importable by name): two gloo
+processes on CPU, or with ``backend="nccl"`` one process per GPU (fp32 on CUDA, fuser's inner compiler Inductor).
 
 Every scenario trains the same tiny Llama a few steps twice in the same two processes, on per-rank different
 batches: once through fuser, once without it (eager), wrapped the same way (DDP, or FSDP2's ``fully_shard`` per
@@ -52,7 +53,7 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def batches(rank: int) -> list[dict[str, torch.Tensor]]:
+def batches(rank: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
     """This rank's batches: different on every rank (so DDP's and FSDP2's gradient averaging matters)."""
     g = torch.Generator().manual_seed(100 + rank)
     out = []
@@ -60,7 +61,7 @@ def batches(rank: int) -> list[dict[str, torch.Tensor]]:
         ids = torch.randint(0, VOCAB, (BSZ, SEQ), generator=g)
         labels = ids.clone()
         labels[0, :3] = -100
-        out.append({"input_ids": ids, "labels": labels})
+        out.append({"input_ids": ids.to(device), "labels": labels.to(device)})
     return out
 
 
@@ -85,11 +86,11 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def build(scenario: str) -> torch.nn.Module:
+def build(scenario: str, device: torch.device) -> torch.nn.Module:
     model = tiny_llama(tied="tied" in scenario)
     if "lora" in scenario:
         model = with_lora(model)
-    return model
+    return model.to(device)
 
 
 def layers_of(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -102,13 +103,15 @@ def wrap(scenario: str, model: torch.nn.Module, config) -> torch.nn.Module:
     import fuser
 
     if scenario.startswith("ddp"):
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
         if "buckets" in scenario:
             # several gradient buckets, as any model over 25 MB has: Dynamo's DDPOptimizer then splits the graph
             # at the bucket borders and fuser compiles each piece (the first bucket's cap, 1 MB, is a constant)
             dist._DEFAULT_FIRST_BUCKET_BYTES = 50_000
-            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=0.05)
         else:
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         # the documented route: compile the DDP-wrapped module
         return ddp if config is None else fuser.optimize(ddp, config)
     from torch.distributed.fsdp import fully_shard
@@ -125,14 +128,14 @@ def wrap(scenario: str, model: torch.nn.Module, config) -> torch.nn.Module:
     return fuser.optimize(model, config)
 
 
-def train(scenario: str, config) -> dict:
+def train(scenario: str, config, device: torch.device) -> dict:
     """``STEPS`` SGD steps of ``scenario`` on this rank's batches: its losses, final parameters, fused counts."""
     import fuser
 
     fresh_compile_state()
     first_bucket = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP and DDPOptimizer read it (wrap may change it)
     try:
-        model = build(scenario)
+        model = build(scenario, device)
         run = wrap(scenario, model, config)
         # SGD: a parameter's update is the learning rate times its gradient sum, so the gradients' tolerance
         # applies to the updates as it is (Adam divides by a running gradient norm, which amplifies noise)
@@ -140,7 +143,7 @@ def train(scenario: str, config) -> dict:
         losses = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for data in batches(dist.get_rank()):
+            for data in batches(dist.get_rank(), device):
                 loss = run(**data).loss
                 loss.backward()
                 optimizer.step()
@@ -160,8 +163,9 @@ def train(scenario: str, config) -> dict:
     }
 
 
-def main(rank: int, world: int, port: int, scenarios: list[str], out_path: str) -> None:
-    """One process of the gloo group: every scenario in turn; rank 0 saves the results to ``out_path``."""
+def main(rank: int, world: int, port: int, scenarios: list[str], out_path: str, backend: str = "gloo") -> None:
+    """One process of the group: every scenario in turn; rank 0 saves the results to ``out_path``. ``gloo``: CPU,
+    fuser through aot_eager (the same fused ops, CPU-fast); ``nccl``: this rank's GPU, fuser through Inductor."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import transformers
@@ -169,15 +173,20 @@ def main(rank: int, world: int, port: int, scenarios: list[str], out_path: str) 
     import fuser
 
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+    inner = "inductor" if backend == "nccl" else "aot_eager"
+    config = fuser.FuserConfig(strict=True, inner_compiler=inner)
     results: dict = {}
     for scenario in scenarios:
         result: dict = {}
         try:
-            result["initial"] = full_params(build(scenario))
-            result["fuser"] = train(scenario, config)
-            result["eager"] = train(scenario, None)
+            result["initial"] = full_params(build(scenario, device))
+            result["fuser"] = train(scenario, config, device)
+            result["eager"] = train(scenario, None, device)
         except Exception:  # the parent test shows it
             result["error"] = traceback.format_exc()
         gathered = [None] * world if rank == 0 else None
@@ -186,5 +195,16 @@ def main(rank: int, world: int, port: int, scenarios: list[str], out_path: str) 
         result["per_rank"] = gathered
         results[scenario] = result
     if rank == 0:
-        torch.save(results, out_path)
+        torch.save(_to_cpu(results), out_path)
     dist.destroy_process_group()
+
+
+def _to_cpu(value):
+    """``value`` (nested dicts and lists of results) with every tensor moved to the CPU, for the parent to load."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
