@@ -44,7 +44,6 @@ import copy
 import datetime
 import importlib
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 import platform
@@ -60,8 +59,9 @@ from typing import Any
 
 import torch
 
-if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# this checkout's fuser, also where another checkout is installed (`pip install -e .` of a second worktree): the
+# run measures the code beside it; the workers, started with this interpreter and file, do the same
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BLOCKS = ("norm", "rope", "gated", "loss")
 # which fuser patterns count for which block
