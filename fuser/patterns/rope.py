@@ -17,6 +17,11 @@ partner does not share cos/sin is rotated by the same op alone.
 
     Llama-4 text      view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * freqs_cis[:, :, None]).flatten(3)
                       on [B, T, H, D]: the op runs on the [B, H, T, D] view, with cos/sin taken from freqs_cis
+    DeepSeek-V2       the same product with rotations shaped before it, freqs_cis.unsqueeze(1) ([B|1, 1, T, D/2],
+                      shared by q and k) on [B, H, T, D]; or [B|1, T, 1, D/2] on [B, T, H, D]
+
+    GPT-OSS           x1, x2 = chunk(x, 2, -1); cat([x1*c - x2*s, x2*c + x1*s]): rotate_half's rotation written
+                      on the two halves, without a ``neg``; c, s of width R/2 (spread over both halves for the op)
 
     NanoChat          x * cos + cat(x2, -x1) * sin: rotate_half with the sign on the other half, which is
                       -rotate_half(x); that is x * cos + rotate_half(x) * (-sin), exactly (negation is exact, and
@@ -72,11 +77,19 @@ def _pairs_to_halves():
     return Op("cat", first, second, -1)
 
 
-def _complex():
-    """Llama-4 text, DeepSeek-V2: ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * f[:, :, None])
-    .flatten(3)`` on ``[B, T, H, D]`` with complex per-pair rotations ``f`` of shape ``[B|1, T, D/2]``."""
+def _chunked_halves():
+    """GPT-OSS: ``x1, x2 = chunk(x, 2, -1)``, ``cat([x1*c - x2*s, x2*c + x1*s])``; cos/sin of width R/2."""
+    x1, x2 = Op("getitem", Op("chunk", V("x"), 2, -1), 0), Op("getitem", Op("chunk", V("x"), 2, -1), 1)
+    first = Op("sub", Op("mul", x1, V("cos")), Op("mul", x2, V("sin")))
+    second = Op("add", Op("mul", x2, V("cos")), Op("mul", x1, V("sin")))
+    return Op("cat", first, second, -1)
+
+
+def _complex(freqs):
+    """Llama-4 text, DeepSeek-V2: ``view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * freqs)
+    .flatten(3)`` with complex per-pair rotations ``freqs`` broadcast over the heads."""
     z = Op("view_as_complex", Op("split_pairs", V("x")))
-    rotated = Op("mul", z, Op("unsqueeze", V("freqs"), -2))
+    rotated = Op("mul", z, freqs)
     return OptCast(Op("flatten", Op("view_as_real", rotated), -2, -1), "out_cast")
 
 
@@ -91,6 +104,10 @@ class RopeForm:
     layout: Literal["half", "interleaved", "pairs_to_halves"]
     complex_freqs: bool = False  # rotations as complex numbers on [B, T, H, D] (Llama-4): its own check
     negated_sin: bool = False  # the model's rotate is -rotate_half (NanoChat): the op gets -sin
+    # the complex rotations come already shaped 4-D, size 1 on the heads' dim (DeepSeek-V2): the layout follows it
+    freqs_shaped: bool = False
+    # cos/sin of width R/2, one per pair of channels that rotate together (DeepSeek-V3's pairs, GPT-OSS's halves)
+    half_width_cos: bool = False
 
 
 VARIANTS = [
@@ -99,8 +116,12 @@ VARIANTS = [
     Variant("half", _rope(V("x"), _rotate_half), RopeForm("half")),
     Variant("half, sign flipped", _rope(V("x"), _rotate_half_flipped), RopeForm("half", negated_sin=True)),
     Variant("interleaved", _rope(V("x"), _rotate_interleaved), RopeForm("interleaved")),
-    Variant("pairs to halves", _pairs_to_halves(), RopeForm("pairs_to_halves")),
-    Variant("complex", _complex(), RopeForm("interleaved", complex_freqs=True)),
+    Variant("pairs to halves", _pairs_to_halves(), RopeForm("pairs_to_halves", half_width_cos=True)),
+    # GPT-OSS: rotate_half's rotation on chunk()'s halves, cos/sin of width R/2
+    Variant("halves, chunked", _chunked_halves(), RopeForm("half", half_width_cos=True)),
+    Variant("complex", _complex(Op("unsqueeze", V("freqs"), -2)), RopeForm("interleaved", complex_freqs=True)),
+    # DeepSeek-V2: freqs_cis.unsqueeze(1) once, before q's and k's products
+    Variant("complex, shaped", _complex(V("freqs")), RopeForm("interleaved", complex_freqs=True, freqs_shaped=True)),
 ]
 
 
@@ -143,16 +164,22 @@ def transposed_back(graph: torch.fx.Graph, output: Node) -> Node:
 @dataclass(frozen=True)
 class InterleavedFromComplex(ArgExpr):
     """The real (``part=0``) or imaginary (``part=1``) part of complex per-pair rotations ``[B|1, T, R/2]``,
-    repeated for both channels of each pair and broadcast over heads: ``[B|1, 1, T, R]`` (cos or sin)."""
+    repeated for both channels of each pair and broadcast over heads: ``[B|1, 1, T, R]`` (cos or sin). Rotations
+    already shaped 4-D (``[B|1, 1, T, R/2]``, or ``[B|1, T, 1, R/2]`` to be transposed) keep their shape
+    (``shaped``); ``transpose`` views the result's dims 1 and 2 swapped."""
 
     source: Node
     part: int
+    shaped: bool = False
+    transpose: bool = False
 
     def build(self, graph: torch.fx.Graph) -> Node:
         parts = graph.call_function(torch.view_as_real, (self.source,))
         one = graph.call_function(operator.getitem, (parts, (Ellipsis, self.part)))
         both = graph.call_method("repeat_interleave", (one, 2), {"dim": -1})
-        return graph.call_method("unsqueeze", (both, 1))
+        if self.transpose:
+            return graph.call_method("transpose", (both, 1, 2))
+        return both if self.shaped else graph.call_method("unsqueeze", (both, 1))
 
 
 def check_complex_rope(found: Found, form: RopeForm) -> Replacement:
@@ -162,20 +189,29 @@ def check_complex_rope(found: Found, form: RopeForm) -> Replacement:
     if xt.dim() != 4 or not isinstance(xt.shape[-1], int):
         raise Decline(f"complex RoPE expects a 4-D [batch, seq, heads, head_dim] tensor, got {tuple(xt.shape)}")
     head_dim = xt.shape[-1]
-    if ft.dtype != torch.complex64 or ft.dim() != 3 or ft.shape[-1] != head_dim // 2 or ft.requires_grad:
-        raise Decline(f"rotations of shape {tuple(ft.shape)} {ft.dtype} are not complex64 [B|1, T, {head_dim // 2}]")
+    # Llama-4: [B|1, T, D/2], unsqueezed in the block on [B, T, H, D] (the op runs on its [B, H, T, D] view);
+    # shaped before the block (DeepSeek-V2): size 1 on the heads' dim, 1 ([B, H, T, D]) or 2 ([B, T, H, D])
+    heads_second = form.freqs_shaped and ft.dim() == 4 and _broadcast_over(b["freqs"], 1)
+    want = f"[B|1, 1, T, {head_dim // 2}] or [B|1, T, 1, {head_dim // 2}]" if form.freqs_shaped else None
+    if form.freqs_shaped and not (heads_second or (ft.dim() == 4 and _broadcast_over(b["freqs"], 2))):
+        raise Decline(f"rotations of shape {tuple(ft.shape)} vary over heads: expected {want}")
+    rank = 4 if form.freqs_shaped else 3
+    if ft.dtype != torch.complex64 or ft.dim() != rank or ft.shape[-1] != head_dim // 2 or ft.requires_grad:
+        want = want or f"[B|1, T, {head_dim // 2}]"
+        raise Decline(f"rotations of shape {tuple(ft.shape)} {ft.dtype} are not complex64 {want}")
     if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
     # the product is complex64 (fp32 parts) whatever x was: its result, or the explicit cast of it, is rounded
     # once to the output dtype, which the op does too
     if out.dtype not in FLOAT_DTYPES:
         raise Decline(f"result dtype {out.dtype} is not one the fused op writes ({_dtype_names()})")
-    cos, sin = InterleavedFromComplex(b["freqs"], 0), InterleavedFromComplex(b["freqs"], 1)
+    shaped, transpose = form.freqs_shaped, not heads_second
+    cos, sin = (InterleavedFromComplex(b["freqs"], part, shaped, transpose and shaped) for part in (0, 1))
     return Replacement(
         torch.ops.fuser.rope.default,
-        (Transposed12(x), EmptyLike(x), cos, sin, head_dim, form.layout, out.dtype),
+        (Transposed12(x) if transpose else x, EmptyLike(x), cos, sin, head_dim, form.layout, out.dtype),
         output_index=0,
-        output_adapter=transposed_back,
+        output_adapter=transposed_back if transpose else None,
     )
 
 
@@ -199,8 +235,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline("interleaved pairs do not cover the rotary channels")
     if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
         raise Decline(f"rotary dim {rotary_dim} is not an even size within head_dim {head_dim}")
-    pairs_to_halves = form.layout == "pairs_to_halves"
-    cos_width = rotary_dim // 2 if pairs_to_halves else rotary_dim
+    cos_width = rotary_dim // 2 if form.half_width_cos else rotary_dim
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
         if t.dim() != 4 or t.shape[-1] != cos_width:
@@ -221,8 +256,8 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline(
             f"cos/sin vary over heads (shapes {shapes[0]}, {shapes[1]}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
         )
-    if heads_third and pairs_to_halves:
-        raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the pairs-to-halves form")
+    if heads_third and form.half_width_cos:
+        raise Decline(f"cos/sin broadcast over dim 2 ([B, T, H, D]) in the {variant.name} form")
     if heads_third and form.negated_sin:
         raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the sign-flipped rotate_half form")
     if xt.dtype not in FLOAT_DTYPES:
@@ -238,7 +273,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
             f"result dtype {out.dtype} is not {promoted}, the promotion of the input's {xt.dtype} and cos/sin's "
             f"{cos_dtype}/{sin_dtype}: a cast inside the rotation that the fused op does not reproduce"
         )
-    if pairs_to_halves:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
+    if form.half_width_cos:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
         cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         cos, sin = b["cos"], b["sin"]

@@ -55,6 +55,17 @@ def deepseek_v3(q, k, cos, sin):  # interleaved pairs in, halves out, no neg; co
     return q_embed, k_embed
 
 
+def gpt_oss_chunked(q, k, cos, sin):  # rotate_half's rotation on chunk()'s halves, no neg; cos/sin of width R/2
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+
+    def rotate(x):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
 def rotate_half_flipped(x):  # NanoChat: the sign on the other half, -rotate_half(x)
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((x2, -x1), dim=-1)
@@ -70,7 +81,7 @@ def q_only(q, k, cos, sin):  # a lone rotation still fuses (into the same op, wi
     return (q * cos) + (rotate_half(q) * sin), k * 2
 
 
-VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, nanochat, q_only]
+VARIANTS = [llama, partial, glm_interleaved_partial, deepseek_v3, gpt_oss_chunked, nanochat, q_only]
 
 
 def _inputs(dtype=torch.float32, requires_grad=False, cos_dtype=None):
@@ -364,6 +375,53 @@ def test_complex_form_with_a_wider_result_matches_and_equals_eager():
     for g, g_ref in ((xq.grad, xq_ref.grad), (xk.grad, xk_ref.grad)):
         assert g.dtype == g_ref.dtype == torch.bfloat16
         torch.testing.assert_close(g.float(), g_ref.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+def deepseek_v2_complex(xq, xk, freqs_cis):  # DeepSeek-V2: rotations unsqueezed once, q and k of [B, H, T, D]
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.device)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+    return xq_out, xk_out
+
+
+def complex_shaped_heads_third(xq, xk, freqs_cis):  # rotations shaped [1, T, 1, D/2] once, on [B, T, H, D]
+    freqs_cis = freqs_cis.unsqueeze(2)
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
+    return xq_out, torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+
+
+@pytest.mark.parametrize(
+    "fn, heads_second",
+    [(deepseek_v2_complex, True), (complex_shaped_heads_third, False)],
+    ids=["deepseek_v2", "heads_third"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_complex_form_with_shaped_rotations_matches_as_one_op_and_equals_eager(fn, heads_second, dtype):
+    shape = (B, HQ, T, D) if heads_second else (B, T, HQ, D)
+    xq = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    xk = torch.randn(*((B, 1, T, D) if heads_second else (B, T, 1, D)), dtype=dtype, requires_grad=True)
+    freqs_cis = torch.polar(torch.ones(1, T, D // 2), torch.randn(1, T, D // 2))
+    report = fuser.explain(fn, xq, xk, freqs_cis)
+    assert report.counts == {"rope": 1}, str(report)
+    assert {m.variant for m in report.matches} == {"complex, shaped"}
+    xq_ref, xk_ref = xq.detach().clone().requires_grad_(), xk.detach().clone().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(xq, xk, freqs_cis)
+    assert fuser.backend(config).counts == {"rope": 1}
+    ref = fn(xq_ref, xk_ref, freqs_cis)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    for o, r in zip(out, ref, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        torch.testing.assert_close(o.float(), r.float(), rtol=tol, atol=tol)
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    torch.testing.assert_close(xq.grad.float(), xq_ref.grad.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(xk.grad.float(), xk_ref.grad.float(), rtol=tol, atol=tol)
 
 
 def test_complex_form_with_a_per_head_rotation_declines():
