@@ -51,6 +51,7 @@ _FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
     # torch.rms_norm: what Dynamo records for F.rms_norm and nn.RMSNorm
     rms_norm=(torch.nn.functional.rms_norm, torch.rms_norm),
     silu=(torch.nn.functional.silu,),
+    relu=(torch.nn.functional.relu, torch.relu),
     sigmoid=(torch.sigmoid, torch.nn.functional.sigmoid),
     gelu=(torch.nn.functional.gelu,),
     getitem=(operator.getitem,),
@@ -77,6 +78,7 @@ _METHODS = {
     "mean": "mean",
     "sum": "sum",
     "sigmoid": "sigmoid",
+    "relu": "relu",
     "tanh": "tanh",
     "chunk": "chunk",
     "flatten": "flatten",

@@ -8,6 +8,12 @@
     peft LoRA            gate = base(x) + lora_B(lora_A(x)) * s      the sums are absorbed into the op
     Gemma (GeGLU)        F.gelu(g, approximate="tanh") * u           also exact GELU
 
+Declared in order to decline them, saying why (the fused op computes silu or gelu of the raw gate times the raw up):
+
+    GPT-OSS, MiniMax-M3  gate * sigmoid(alpha * gate) * (up + 1), gate and up clamped: a scaled sigmoid, not silu
+    Inkling-2            tanh(gate / c) * c * sigmoid(gate) * softcap(up): a softcapped gate factor
+    BitNet               relu(gate)² * up (squared ReLU), also relu(gate) * up
+
 The fused op computes the activation in fp32 and saves gate and up (never the activation or the product) for a
 backward that recomputes the activation. Not matched, by construction: ``silu(g) + u``, ``relu(g) * u``,
 GPT-2's ``gelu_new`` written as a tanh formula, un-gated MLPs; and declined when the activation output is used
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,7 +41,7 @@ import torch
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, tensor_meta
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, scalar_arg, scalar_hint
+from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
@@ -76,6 +83,8 @@ def _half(index: int) -> Op:
 @dataclass(frozen=True)
 class GatedForm:
     packed: bool  # gate and up are the halves of one projection's output, taken by the packed op
+    # a gated product the fused op does not compute: says why, in words, from the match's bindings (declined)
+    unsupported: Callable[[dict[str, Any]], str] | None = None
 
 
 def _variants(activation) -> list[Variant]:
@@ -96,6 +105,102 @@ def _gelu(g):
 
 
 _GELU_MODES = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def _number(value: Any) -> str:
+    return f"`{value.name}`" if isinstance(value, torch.fx.Node) else f"{value:g}"
+
+
+def _clamped(node: Any) -> str:
+    """`` clamped to [lo, hi]`` when ``node`` is a ``clamp`` (method or function) with constant bounds, else ``""``."""
+    if not isinstance(node, torch.fx.Node) or getattr(node.target, "__name__", node.target) not in ("clamp", "clip"):
+        return ""
+    names = ("min", "max")
+    bounds = {**dict(zip(names, node.args[1:], strict=False)), **node.kwargs}
+    lo, hi = bounds.get("min"), bounds.get("max")
+    if lo is None and hi is None:
+        return ""
+    if lo is None:
+        return f" clamped to ≤ {_number(hi)}"
+    if hi is None:
+        return f" clamped to ≥ {_number(lo)}"
+    return f" clamped to [{_number(lo)}, {_number(hi)}]"
+
+
+_ONLY = "the fused op computes silu(gate)·up or gelu(gate)·up of the projections as they are"
+
+
+def _offset(node: Any) -> tuple[Any, Any] | None:
+    """``(x, c)`` when ``node`` is ``x + c`` with ``c`` a number, else None."""
+    c = canonical(node)
+    if c is None or c.op != "add":
+        return None
+    for x, number in (c.args, reversed(c.args)):
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            return x, number
+    return None
+
+
+def _softcap_of(node: Any) -> Any:
+    """The cap ``c`` when ``node`` is ``tanh(x / c) * c`` (a softcap), else None."""
+    found = next(match_tree(_softcap(V("x"), "x"), node), None) if isinstance(node, torch.fx.Node) else None
+    return None if found is None else found.bindings["x_cap"]
+
+
+def _why_scaled_sigmoid(b: dict[str, Any]) -> str:
+    """GPT-OSS, MiniMax-M3: ``glu = gate * sigmoid(gate * alpha)``, ``(up + 1) * glu``, gate and up clamped."""
+    parts = [f"the activation is gate·sigmoid({_number(b['alpha'])}·gate), a sigmoid of the scaled gate (silu: 1·gate)"]
+    up, offset = _offset(b["up"]) or (b["up"], None)
+    clamps = [f"{n}{_clamped(x)}" for n, x in (("gate", b["gate"]), ("up", up)) if _clamped(x)]
+    if clamps:
+        parts.append(" and ".join(clamps) + " before it")
+    if offset is not None:
+        parts.append(f"up enters as (up + {_number(offset)})")
+    return "; ".join(parts) + f": {_ONLY}"
+
+
+def _why_softcapped(b: dict[str, Any]) -> str:
+    """Inkling-2: ``tanh(gate / c) * c * sigmoid(gate) * tanh(up / c') * c'``."""
+    cap = _number(b["gate_cap"])
+    why = f"the gate factor is softcapped, tanh(gate / {cap})·{cap}·sigmoid(gate), not silu(gate) = gate·sigmoid(gate)"
+    up_cap = _softcap_of(b["up"])
+    if up_cap is not None:
+        why += f"; up is softcapped too (cap {_number(up_cap)})"
+    return f"{why}: {_ONLY}"
+
+
+def _why_relu(b: dict[str, Any]) -> str:
+    """BitNet: ``relu(gate)² * up`` (squared ReLU); ReGLU: ``relu(gate) * up``."""
+    power = b.get("power")
+    act = (
+        "relu(gate)" if power is None else "relu(gate)², squared ReLU" if power == 2 else f"relu(gate)^{_number(power)}"
+    )
+    return f"the gate's activation is {act}, not silu or gelu: {_ONLY}"
+
+
+def _softcap(x: Any, name: str) -> Op:
+    return Op("mul", Op("tanh", Op("div", x, S(f"{name}_cap"))), S(f"{name}_cap"))
+
+
+# gated products that are none of the op's (see the module docstring): the check declines each, saying why. Each
+# tree has one structural match per product (the reasons read ``up``'s offset, clamp or softcap from the graph)
+_DECLINED = [
+    Variant(
+        "scaled sigmoid",
+        Op("mul", V("up"), Op("mul", V("gate"), Op("sigmoid", Op("mul", V("gate"), S("alpha"))))),
+        GatedForm(packed=False, unsupported=_why_scaled_sigmoid),
+    ),
+    Variant(
+        "softcapped",
+        Op("mul", Op("mul", _softcap(V("gate"), "gate"), Op("sigmoid", V("gate"))), V("up")),
+        GatedForm(packed=False, unsupported=_why_softcapped),
+    ),
+    Variant(
+        "relu",
+        Op("mul", OneOf(Op("pow", Op("relu", V("gate")), S("power")), Op("relu", V("gate"))), V("up")),
+        GatedForm(packed=False, unsupported=_why_relu),
+    ),
+]
 
 
 _PROJECTION_TARGETS = ("linear", "matmul", "mm", "addmm", "bmm", "grouped_mm", "dropout")
@@ -238,6 +343,8 @@ def _count_uses(args: object, value: torch.fx.Node) -> int:
 
 def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     b = found.bindings
+    if variant.params.unsupported is not None:
+        raise Decline(variant.params.unsupported(b))
     out = tensor_meta(found.root)
     other = _non_projection_user(found.root)
     if other is not None:
@@ -375,7 +482,7 @@ def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activa
 
 SWIGLU = Pattern(
     "swiglu",
-    _variants(_silu),
+    _variants(_silu) + _DECLINED,
     lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
