@@ -59,6 +59,8 @@ _FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
     tanh=(torch.tanh, torch.nn.functional.tanh),
     linear=(torch.nn.functional.linear,),  # torch._C._nn.linear, what Dynamo records for nn.Linear
     cross_entropy=(torch.nn.functional.cross_entropy,),
+    nll_loss=(torch.nn.functional.nll_loss,),
+    log_softmax=(torch.nn.functional.log_softmax, torch.log_softmax),
     sdpa=(torch.nn.functional.scaled_dot_product_attention,),  # torch._C._nn.scaled_dot_product_attention
 )
 
@@ -85,6 +87,7 @@ _METHODS = {
     "reshape": "reshape",
     "view": "reshape",
     "unsqueeze": "unsqueeze",
+    "log_softmax": "log_softmax",
 }
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -293,6 +296,15 @@ _SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         ("reduction", "mean"),
         ("label_smoothing", 0.0),
     ),
+    "nll_loss": (
+        ("input", None),
+        ("target", None),
+        ("weight", None),
+        ("size_average", None),
+        ("ignore_index", -100),
+        ("reduce", None),
+        ("reduction", "mean"),
+    ),
     "sdpa": (
         ("query", None),
         ("key", None),
@@ -318,9 +330,24 @@ def _bound(node: Node, op: str) -> Canon | None:
     bound.update(node.kwargs)
     if tensor_meta(bound[names[0]]) is None:
         return None
-    if op == "cross_entropy" and (bound.pop("size_average"), bound.pop("reduce")) != (None, None):
+    if op in ("cross_entropy", "nll_loss") and (bound.pop("size_average"), bound.pop("reduce")) != (None, None):
         return None
     return Canon(op, tuple(bound.values()))
+
+
+def _log_softmax(node: Node) -> Canon | None:
+    """``log_softmax(x, dim, dtype)``, ``dim`` negative: ``F.log_softmax(input, dim, _stacklevel, dtype)``,
+    ``torch.log_softmax(input, dim, dtype)`` or ``x.log_softmax(dim, dtype)``."""
+    names = ["input", "dim", "dtype"]
+    if node.target is torch.nn.functional.log_softmax:
+        names.insert(2, "_stacklevel")
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    bound = {"dim": None, "dtype": None, **dict(zip(names, node.args, strict=False)), **node.kwargs}
+    t = tensor_meta(bound.get("input"))
+    if t is None or not isinstance(bound["dim"], int):
+        return None
+    return Canon("log_softmax", (bound["input"], _negative_dim(bound["dim"], t.dim()), bound["dtype"]))
 
 
 def _cast(node: Node) -> Canon | None:
@@ -404,6 +431,8 @@ def canonical(node: Any) -> Canon | None:
         return _reshaping(node, op)
     if op in _SIGNATURES:
         return _bound(node, op)
+    if op == "log_softmax":
+        return _log_softmax(node)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

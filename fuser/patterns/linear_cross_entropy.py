@@ -21,7 +21,8 @@ splits a DDP model's graph into (a model with several gradient buckets), where t
 instead (``fuser/dynamo_backend.py``). With ``keep_logits=True``, or when no
 gradient is wanted (evaluation), returned logits decline the match and the graph computes them and the loss as
 written; so do logits returned from a nested graph (activation checkpointing), whose outputs are its
-higher-order op's. Declined too: class weights, label smoothing, ``reduction="none"``, soft (probability)
+higher-order op's. Declined, saying so: ``nll_loss(log_softmax(logits))`` (ProphetNet), cross_entropy in two steps.
+Declined too: class weights, label smoothing, ``reduction="none"``, soft (probability)
 targets, a scale or cap that is a tensor rather than a constant, softcapping with two different constants, a
 loss that is not fp32 (half-precision logits never upcast), and logits (or any value between them and the loss)
 used by anything but the graph's return.
@@ -144,6 +145,18 @@ VARIANTS = [
     # logits that enter the graph as an input, computed before it (a graph break between the lm_head and the loss,
     # as a logging call in transformers' loss_function makes): always declined, saying so
     Variant("logits from before the graph", _loss_of(Input("logits_input"))),
+    # ProphetNet: nll_loss(log_softmax(logits, -1)), cross_entropy's value in two steps: declined, saying so
+    Variant(
+        "nll_loss of log_softmax",
+        Op(
+            "nll_loss",
+            Op("log_softmax", V("log_softmax_input"), -1, C("log_softmax_dtype")),
+            V("labels"),
+            OneOf(V("class_weight"), None),
+            S("ignore_index"),
+            C("reduction"),
+        ),
+    ),
 ]
 
 
@@ -220,6 +233,16 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
             "outside the compiled code, and the loss fuses only in the lm_head's graph. A `logger.warning_once` "
             "call (transformers' loss_function) breaks no graph under fuser.optimize, optimize_ and explain "
             "(FuserConfig.ignore_logging); torch.compile(backend='fuser') cannot skip it"
+        )
+    if "log_softmax_input" in b:
+        log_probs = next(n for n in found.nodes if (c := canonical(n)) is not None and c.op == "log_softmax")
+        others = [f"`{u.name}`" for u in log_probs.users if u is not found.root]
+        reused = (
+            f"; the log-probabilities are also used by {', '.join(others)} (a label-smoothing term?)" if others else ""
+        )
+        raise Decline(
+            "the loss is nll_loss over log_softmax: cross_entropy's value, written in two steps" + reused + ". The "
+            "fused op replaces an lm_head followed by cross_entropy (without label smoothing) only"
         )
     if b.get("class_weight") is not None:
         raise Decline("cross_entropy with class weights (weight=)")

@@ -295,7 +295,21 @@ def graph_break_before_loss(h, w, b, y):  # the loss in the graph after a break:
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
 
 
+def nll_of_log_softmax(h, w, b, y):  # ProphetNet: cross_entropy's value in two steps
+    log_probs = F.log_softmax(F.linear(h, w).view(-1, V), dim=-1, dtype=torch.float32)
+    return F.nll_loss(log_probs, y.view(-1), reduction="mean")
+
+
+def nll_of_log_softmax_smoothed(h, w, b, y):  # ProphetNet with eps > 0: the log-probabilities feed a smoothing term
+    log_probs = F.linear(h, w).view(-1, V).log_softmax(-1)
+    kept = (y.view(-1) != IGNORE).float()
+    smooth = (-log_probs.sum(dim=-1) * kept).sum() / kept.sum()
+    return 0.9 * F.nll_loss(log_probs, y.view(-1)) + 0.1 / V * smooth
+
+
 NEAR_MISSES = {
+    nll_of_log_softmax: "the loss is nll_loss over log_softmax: cross_entropy's value, written in two steps",
+    nll_of_log_softmax_smoothed: "the log-probabilities are also used by",
     label_smoothing: "label_smoothing=0.1",
     class_weights: "class weights",
     reduction_none: "reduction='none'",
