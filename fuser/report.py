@@ -48,6 +48,10 @@ class Report:
                    split by one (an lm_head and its loss) cannot fuse.
     break_messages: ``fuser.explain``: Dynamo's own graph-break messages during the forward (first lines, each
                    once), which say what it could not trace where ``breaks`` says only "a call made here".
+    runs:          ``fuser.explain``: for each of ``matches``, how many times its graph ran in the forward. A graph
+                   Dynamo compiled once runs again wherever its guards hold: after a graph break inside the loop
+                   over the decoder layers, each layer's code is one graph that runs for every layer, and its fused
+                   ops with it.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -58,6 +62,18 @@ class Report:
     compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
     breaks: list[GraphBreak] = field(default_factory=list)
     break_messages: list[str] = field(default_factory=list)
+    runs: list[int] = field(default_factory=list)
+
+    @property
+    def executed(self) -> dict[str, int]:
+        """Pattern name → fused ops the forward ran: ``counts`` with each match counted once per run of its graph
+        (``counts`` itself where the runs were not recorded: a report of compiled graphs, ``fuser.report``)."""
+        if len(self.runs) != len(self.matches):
+            return dict(self.counts)
+        out: dict[str, int] = {}
+        for match, runs in zip(self.matches, self.runs, strict=True):
+            out[match.pattern] = out.get(match.pattern, 0) + runs
+        return out
 
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
@@ -69,6 +85,9 @@ class Report:
         if not self.matches:
             lines.append("(nothing matched)")
         lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))
+        if self.runs and self.executed != self.counts:
+            ran = ", ".join(f"{k}={v}" for k, v in sorted(self.executed.items()))
+            lines.append(f"run in the forward: {ran} (a graph compiled once ran again, e.g. for each decoder layer)")
         if self.near_misses:
             lines.append("declined (not fused, and why):")
             for nm in self.near_misses:
@@ -95,15 +114,25 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
     target = getattr(model, "_orig_mod", model)  # what fuser.optimize / torch.compile wrapped
     report = Report()
+    graph_runs: list[int] = []  # per captured graph, the times it ran
+    graph_of_match: list[int] = []  # per match, its graph's index
 
     def capture(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         result = find_matches(gm, patterns, config)
+        index = report.graphs
         report.graphs += 1
+        graph_runs.append(0)
         report.matches += result.matches
+        graph_of_match.extend([index] * len(result.matches))
         report.near_misses += result.near_misses
         if (one := graph_break(gm)) is not None:
             report.breaks.append(one)
-        return gm.forward
+
+        def run(*inputs: Any) -> Any:
+            graph_runs[index] += 1
+            return gm.forward(*inputs)
+
+        return run
 
     messages_before = _compat.dynamo_graph_break_messages()
     with tracing_context(config):
@@ -113,5 +142,6 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
         if n > messages_before.get(message, 0) and first and first not in report.break_messages:
             report.break_messages.append(first)
     report.counts = count_by_pattern(report.matches)
+    report.runs = [graph_runs[i] for i in graph_of_match]
     report.graph_breaks = max(report.graphs - 1, 0)
     return report

@@ -73,3 +73,46 @@ def test_a_graph_break_is_listed_with_its_source_line_and_dynamos_words():
     text = str(report)
     assert "graph breaks" in text and "torch._dynamo.graph_break()" in text
     _assert_plain_words(text)
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = _Norm(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.proj(self.norm(x))
+        torch._dynamo.graph_break()  # as data-dependent MoE routing breaks JetMoE's layers
+        return x + 1
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_graph_run_for_several_layers_counts_each_run_in_executed():
+    """A break inside the layers' loop: Dynamo compiles a layer's code once and runs that graph for the next layer
+    too. ``counts`` counts fused ops per graph; ``executed`` per run, as the forward ran them."""
+    report = fuser.explain(_Stack(), torch.randn(2, 8))
+    assert report.counts["rms_norm"] < 3, str(report)  # fewer graphs than layers
+    assert report.executed == {"rms_norm": 3}, str(report)
+    assert len(report.runs) == len(report.matches) and sum(report.runs) == 3
+    assert "run in the forward: rms_norm=3" in str(report)
