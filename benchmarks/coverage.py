@@ -15,7 +15,8 @@ alone), and each buildable model:
   MLPs (executed modules holding gate and up projections: ``gate_proj``+``up_proj``, ``w1``+``w3``, or a packed
   ``gate_up_proj`` linear or expert parameter) and a loss from the lm_head (1 when the output embedding ran and
   a loss came back);
-- runs ``fuser.explain(model, input_ids=ids, labels=ids)`` with the default ``FuserConfig`` and reads its counts:
+- runs ``fuser.explain(model, input_ids=ids, labels=ids)`` with the default ``FuserConfig`` and reads the fused ops
+  the forward ran (``Report.executed``: a graph Dynamo compiled once and ran for each decoder layer counts each time):
   norm = rms_norm + rms_norm_linear, rope, gated = swiglu + geglu, loss = linear_cross_entropy;
 - per block: ``fused n/n``, ``m/n`` with the near-miss reason (shortened) when fuser declined or missed some,
   ``absent`` (the eager model does not run it), and ``OVER m/n`` when fuser matched more often than eager runs the
@@ -411,15 +412,19 @@ def fuser_counts(
 
     torch._dynamo.reset()
     report = fuser.explain(model, input_ids=ids, labels=ids, config=config)
-    counts = {b: sum(report.counts.get(p, 0) for p in PATTERNS_OF[b]) for b in BLOCKS}
+    # fused ops as the forward ran them, as eager is counted: a graph Dynamo reuses (one decoder layer's, after a
+    # graph break in the loop over layers) counts once per run
+    executed = report.executed
+    runs = dict(zip(map(id, report.matches), report.runs, strict=True)) if report.runs else {}
+    counts = {b: sum(executed.get(p, 0) for p in PATTERNS_OF[b]) for b in BLOCKS}
     # rope in rotated tensors, as eager is counted: an op that rotates q and k together is 2
-    counts["rope"] = sum(_rotated_tensors(m) for m in report.matches if m.pattern == "rope")
+    counts["rope"] = sum(_rotated_tensors(m) * runs.get(id(m), 1) for m in report.matches if m.pattern == "rope")
     counts["gated_elsewhere"] = []
     if gated_modules is not None:
         inside = tuple(gated_modules) + tuple(p + "." for p in gated_modules)
         for m in report.matches:
             if m.pattern in PATTERNS_OF["gated"] and not (m.module in gated_modules or m.module.startswith(inside)):
-                counts["gated"] -= 1
+                counts["gated"] -= runs.get(id(m), 1)
                 counts["gated_elsewhere"].append(m.module)
     reasons: dict[str, list[str]] = {b: [] for b in BLOCKS}
     for nm in report.near_misses:
