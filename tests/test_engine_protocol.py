@@ -15,7 +15,7 @@ import torch
 
 import fuser
 from fuser.engine.match import Op, V
-from fuser.engine.protocol import PATTERNS, Pattern, Replacement, Variant, register_pattern
+from fuser.engine.protocol import PATTERNS, Decline, Pattern, Replacement, Variant, register_pattern
 
 PACKAGE = Path(fuser.__file__).parent
 OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels")
@@ -222,3 +222,31 @@ def test_register_pattern_refuses_a_taken_name(registered):
         register_pattern(Pattern("rms_norm", [], DOUBLE_NEG.check))
     with pytest.raises(TypeError, match="takes a Pattern"):
         register_pattern("double_neg")
+
+
+def _never(found, variant, config):
+    raise Decline("a form this toy declines")
+
+
+NEG_OF_SIGMOID = Pattern(
+    "neg_of_sigmoid",
+    [
+        Variant("real", Op("neg", Op("sigmoid", V("x")))),
+        # matches more of the code below than "real" does, but is declared only to be declined
+        Variant("declared", Op("mul", Op("neg", Op("tanh", V("x"))), V("y")), declines=True),
+    ],
+    _never,
+    anchors=frozenset({"neg"}),
+    default=False,
+)
+
+
+def test_a_form_declared_to_decline_is_never_named_the_closest():
+    register_pattern(NEG_OF_SIGMOID)
+    try:
+        config = fuser.FuserConfig(patterns=("neg_of_sigmoid",))
+        report = fuser.explain(lambda x, y: -(x * 2) * y, torch.randn(4), torch.randn(4), config=config)
+    finally:
+        del PATTERNS[NEG_OF_SIGMOID.name]
+    (miss,) = report.near_misses
+    assert "the closest, the 'real' form" in miss.reason, miss.reason

@@ -34,11 +34,15 @@ class Variant:
     tree:    the pattern tree (:mod:`fuser.engine.match`).
     params:  what the pattern's check needs to know about this form, in a frozen dataclass the pattern defines
              (``GatedForm(packed=True)``), or None.
+    declines: a form declared only to be declined (its check always raises ``Decline`` saying why, e.g. an L2 norm
+             for RMSNorm): ``fuser.explain`` shows that reason where it matches, and never names it as the closest
+             form of code that no form covers.
     """
 
     name: str
     tree: Any
     params: Any = None
+    declines: bool = False
 
 
 class ArgExpr:

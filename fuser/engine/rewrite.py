@@ -168,7 +168,7 @@ def _unmatched_anchor_reason(pattern: Pattern, anchor: Node, taken: set[Node]) -
     what = canonical(anchor).op if canonical(anchor) is not None else str(anchor.target)
     best = None
     for root in _enclosing_candidates(anchor):
-        for variant in pattern.variants:
+        for variant in [v for v in pattern.variants if not v.declines]:
             miss = closest_miss(variant.tree, root, anchor)
             if miss is None:
                 overlap = any(n in taken for f in match_tree(variant.tree, root) for n in f.nodes)

@@ -189,16 +189,19 @@ _DECLINED = [
         "scaled sigmoid",
         Op("mul", V("up"), Op("mul", V("gate"), Op("sigmoid", Op("mul", V("gate"), S("alpha"))))),
         GatedForm(packed=False, unsupported=_why_scaled_sigmoid),
+        declines=True,
     ),
     Variant(
         "softcapped",
         Op("mul", Op("mul", _softcap(V("gate"), "gate"), Op("sigmoid", V("gate"))), V("up")),
         GatedForm(packed=False, unsupported=_why_softcapped),
+        declines=True,
     ),
     Variant(
         "relu",
         Op("mul", OneOf(Op("pow", Op("relu", V("gate")), S("power")), Op("relu", V("gate"))), V("up")),
         GatedForm(packed=False, unsupported=_why_relu),
+        declines=True,
     ),
 ]
 

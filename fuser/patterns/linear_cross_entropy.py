@@ -144,7 +144,7 @@ VARIANTS = [
     Variant("causal lm", _loss_of(logits)),
     # logits that enter the graph as an input, computed before it (a graph break between the lm_head and the loss,
     # as a logging call in transformers' loss_function makes): always declined, saying so
-    Variant("logits from before the graph", _loss_of(Input("logits_input"))),
+    Variant("logits from before the graph", _loss_of(Input("logits_input")), declines=True),
     # ProphetNet: nll_loss(log_softmax(logits, -1)), cross_entropy's value in two steps: declined, saying so
     Variant(
         "nll_loss of log_softmax",
@@ -156,6 +156,7 @@ VARIANTS = [
             S("ignore_index"),
             C("reduction"),
         ),
+        declines=True,
     ),
 ]
 

@@ -87,6 +87,7 @@ VARIANTS = [
         "l2 norm",
         Op("mul", h, Op("rsqrt", Op("add", Op("sum", Op("pow", h, 2), (-1,), True), eps))),
         NormForm(unit_length=True),
+        declines=True,
     ),
     # torch.nn.functional.rms_norm and torch.nn.RMSNorm
     Variant(
