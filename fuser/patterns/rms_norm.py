@@ -11,8 +11,9 @@ and optionally multiplies by a weight. What differs is where the casts are and h
     nanochat    no weight at all
     torch       F.rms_norm / nn.RMSNorm
 
-Declared in order to decline it: Dory's (nGPT's) ``h * rsqrt(sum(h²) + eps)``, with no division by the hidden
-size, projects onto the unit sphere (an L2 norm), which is an RMSNorm only up to a factor ``√d`` and ``eps / d``.
+Declared in order to decline it: Dory's (nGPT's) ``h * rsqrt(sum(h²) + eps)`` (also FLA's q/k ``l2norm``, with
+``(h * h).sum``), with no division by the hidden size, projects onto the unit sphere (an L2 norm), which is an
+RMSNorm only up to a factor ``√d`` and ``eps / d``.
 
 ``fuser.explain`` names a match by its form: ``llama``, ``olmo2``, ``gemma``, ``no weight`` or ``F.rms_norm`` (the
 others in the table are spellings of the normalisation inside them).
@@ -82,10 +83,11 @@ VARIANTS = [
     ),
     # nanochat, DeepSeek-V4 parts: no weight
     Variant("no weight", OptCast(normed, "out_cast"), NormForm()),
-    # Dory (nGPT): h * rsqrt(sum(h²) + eps), unit length rather than unit RMS: declined by the check
+    # Dory (nGPT), and FLA's l2norm of q/k (Qwen3-Next, Qwen3.5, OLMo-hybrid: (x * x).sum): h * rsqrt(sum(h²) + eps),
+    # unit length rather than unit RMS: declined by the check
     Variant(
         "l2 norm",
-        Op("mul", h, Op("rsqrt", Op("add", Op("sum", Op("pow", h, 2), (-1,), True), eps))),
+        Op("mul", h, Op("rsqrt", Op("add", Op("sum", OneOf(Op("pow", h, 2), Op("mul", h, h)), (-1,), True), eps))),
         NormForm(unit_length=True),
         declines=True,
     ),

@@ -219,12 +219,17 @@ def l2_norm(x, w):  # Dory (nGPT): unit length, the sum of squares not divided b
     return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + EPS)).type_as(x)
 
 
-def test_l2_norm_declines_saying_it_is_not_an_rms_norm():
-    report = fuser.explain(l2_norm, *_inputs(torch.float32))
+def fla_l2norm(x, w):  # FLA's l2norm of q/k (Qwen3-Next, Qwen3.5): (x * x).sum
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + EPS)
+
+
+@pytest.mark.parametrize("fn", [l2_norm, fla_l2norm], ids=_name)
+def test_l2_norm_declines_saying_it_is_not_an_rms_norm(fn):
+    report = fuser.explain(fn, *_inputs(torch.float32))
     assert report.counts == {}, str(report)
     (miss,) = [nm for nm in report.near_misses if nm.pattern == "rms_norm"]  # one per norm, not one per root
     assert "an L2 norm" in miss.reason and "not divided by the hidden size" in miss.reason, miss.reason
-    _assert_compiled_equals_eager(l2_norm)
+    _assert_compiled_equals_eager(fn)
 
 
 def test_weight_on_wrong_axis_declines_the_weight():
