@@ -284,27 +284,20 @@ def _joining(node: Node, op: str) -> Canon | None:
 
 
 # argument names and defaults of the functions read with every argument bound (defaults filled in)
+# F.nll_loss takes F.cross_entropy's arguments but the last, label_smoothing
+_NLL_LOSS_SIGNATURE: tuple[tuple[str, Any], ...] = (
+    ("input", None),
+    ("target", None),
+    ("weight", None),
+    ("size_average", None),
+    ("ignore_index", -100),
+    ("reduce", None),
+    ("reduction", "mean"),
+)
 _SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "linear": (("input", None), ("weight", None), ("bias", None)),
-    "cross_entropy": (
-        ("input", None),
-        ("target", None),
-        ("weight", None),
-        ("size_average", None),
-        ("ignore_index", -100),
-        ("reduce", None),
-        ("reduction", "mean"),
-        ("label_smoothing", 0.0),
-    ),
-    "nll_loss": (
-        ("input", None),
-        ("target", None),
-        ("weight", None),
-        ("size_average", None),
-        ("ignore_index", -100),
-        ("reduce", None),
-        ("reduction", "mean"),
-    ),
+    "cross_entropy": (*_NLL_LOSS_SIGNATURE, ("label_smoothing", 0.0)),
+    "nll_loss": _NLL_LOSS_SIGNATURE,
     "sdpa": (
         ("query", None),
         ("key", None),
