@@ -4,6 +4,7 @@ attention, fuser's and Liger-Kernel's fused ops, Inductor's elementwise kernels,
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import importlib.util
@@ -92,12 +93,12 @@ GAP_US = 10.0  # GPU idle shorter than this is launch latency, not a host stall
 
 
 def _innermost_ops(ops_by_tid: dict, tid, t: float) -> list[str]:
-    """Names of the CPU ops on thread ``tid`` running at time ``t``, outermost first (the profiler nests them)."""
-    import bisect
-
+    """Names of the CPU ops on thread ``tid`` running at time ``t``, outermost first (the profiler nests them; the
+    5,000 ops started last before ``t`` are searched)."""
     starts, ops = ops_by_tid.get(tid, ([], []))
+    last = bisect.bisect_right(starts, t) - 1
     chain = []
-    for i in range(bisect.bisect_right(starts, t) - 1, max(-1, bisect.bisect_right(starts, t) - 5000), -1):
+    for i in range(last, max(-1, last - 5000), -1):
         op = ops[i]
         if op["ts"] + op.get("dur", 0.0) >= t:
             chain.append(op["name"])
