@@ -54,6 +54,19 @@ def run_scenarios(scenarios: list[str], tmp_path, world: int = WORLD, backend: s
     return torch.load(out, weights_only=False)
 
 
+DDP_SCENARIOS = ["ddp_buckets", "ddp_lora"]
+FSDP2_SCENARIOS = ["fsdp2_per_block", "fsdp2_whole", "fsdp2_whole_tied"]
+# one worker runs the module under pytest-xdist (``--dist loadgroup``): both tests read the one spawn's results
+pytestmark = [pytestmark, pytest.mark.xdist_group("distributed")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every scenario of this module in one pair of gloo processes (each test reads its own scenarios' results;
+    every scenario starts from a fresh model, fresh Dynamo state and fresh fuser backends in the worker)."""
+    return run_scenarios(DDP_SCENARIOS + FSDP2_SCENARIOS, tmp_path_factory.mktemp("distributed"))
+
+
 def assert_trains_like_eager(name: str, result: dict, expected_counts: dict[str, int]) -> None:
     errors = [r["error"] for r in result["per_rank"] if r["error"]]
     assert not errors, f"{name}: a rank failed:\n{errors[0]}"
@@ -73,10 +86,9 @@ def assert_trains_like_eager(name: str, result: dict, expected_counts: dict[str,
     assert result["fuser"]["counts"] == expected_counts, name
 
 
-def test_ddp_trains_like_eager(tmp_path):
+def test_ddp_trains_like_eager(results):
     """DDP, compiled as PyTorch documents it (``fuser.optimize(DistributedDataParallel(model))``): a full
     fine-tune whose gradients fill several buckets, and a peft LoRA (every linear) whose adapters fill one."""
-    results = run_scenarios(["ddp_buckets", "ddp_lora"], tmp_path)
     # several buckets: each piece compiles (the fused loss's dropped logits used to fail AOT autograd there)
     assert results["ddp_buckets"]["fuser"]["graphs"] > 1
     # ... and fuser says so once: a block split between two pieces is not fused, and no near-miss can show it
@@ -89,11 +101,10 @@ def test_ddp_trains_like_eager(tmp_path):
     assert_trains_like_eager("ddp_lora", results["ddp_lora"], WHOLE)
 
 
-def test_fsdp2_trains_like_eager(tmp_path):
+def test_fsdp2_trains_like_eager(results):
     """FSDP2: decoder layers compiled one by one after sharding (torchtitan), and the whole model compiled after
     sharding, with lm_head separate and tied to the embedding. The root's lm_head weight is sharded between
     forwards and all-gathered for the fused loss; its gradient lands in the sharded grad (the update check)."""
-    results = run_scenarios(["fsdp2_per_block", "fsdp2_whole", "fsdp2_whole_tied"], tmp_path)
     assert_trains_like_eager("fsdp2_per_block", results["fsdp2_per_block"], PER_BLOCK)
     assert_trains_like_eager("fsdp2_whole", results["fsdp2_whole"], WHOLE)
     assert_trains_like_eager("fsdp2_whole_tied", results["fsdp2_whole_tied"], WHOLE)
