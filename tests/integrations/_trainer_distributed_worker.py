@@ -1,7 +1,7 @@
-"""What each process of ``test_trainer_distributed.py`` runs, under ``torch.distributed.run`` (2 processes, CPU,
-gloo): a real ``transformers.Trainer`` on a tiny Llama, once without fuser and once after ``fuser.optimize_``
-(the README's line), and rank 0 saves each run's logged losses, the trainer's wrapper type, fuser's fused counts
-and the trained parameters to the path given."""
+"""What each process of ``test_trainer_distributed.py`` runs, under ``torch.distributed.run -m`` (2 processes,
+CPU, gloo): a real ``transformers.Trainer`` on the distributed tests' tiny Llama, once without fuser and once
+after ``fuser.optimize_`` (the README's line); rank 0 saves each run's logged losses, the trainer's wrapper type,
+fuser's fused counts and the trained parameters to the path given."""
 
 from __future__ import annotations
 
@@ -9,30 +9,14 @@ import sys
 
 import torch
 
-
-def tiny_llama():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+from tests.integrations._distributed_worker import VOCAB, tiny_llama
 
 
 def dataset():
     import datasets
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(0, 256, (16,), generator=g).tolist()} for _ in range(16)]
+    rows = [{"input_ids": torch.randint(0, VOCAB, (16,), generator=g).tolist()} for _ in range(16)]
     return datasets.Dataset.from_list([{**row, "labels": list(row["input_ids"])} for row in rows])
 
 

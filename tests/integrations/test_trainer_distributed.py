@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
 )
 
-WORKER = Path(__file__).with_name("_trainer_distributed_worker.py")
+WORKER = "tests.integrations._trainer_distributed_worker"
 # every block of the tiny Llama: 2 layers of 2 norms plus the final one, q/k rotated once per layer, the loss
 FUSED = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
 
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def test_trainer_ddp_through_optimize_in_place_trains_like_eager(tmp_path):
     out = tmp_path / "results.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(WORKER), str(out)]  # fmt: skip
+               str(_free_port()), "-m", WORKER, str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-4000:]
     results = torch.load(out, weights_only=False)

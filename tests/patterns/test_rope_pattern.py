@@ -326,17 +326,13 @@ def llama4_complex(xq, xk, freqs_cis):  # Llama-4 text: complex rotation of [B, 
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_complex_form_matches_as_one_op_and_equals_eager(dtype):
-    xq = torch.randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
-    xk = torch.randn(B, T, HK, D, dtype=dtype, requires_grad=True)
-    freqs_cis = torch.polar(torch.ones(1, T, D // 2), torch.randn(1, T, D // 2))
-    assert fuser.explain(llama4_complex, xq, xk, freqs_cis).counts == {"rope": 1}
+def _assert_complex_rope_equals_eager(fn, xq, xk, freqs_cis, dtype) -> None:
+    """``fn`` compiled through fuser fuses one rope op, and its outputs and q/k gradients equal eager's."""
     xq_ref, xk_ref = xq.detach().clone().requires_grad_(), xk.detach().clone().requires_grad_()
     config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
-    out = torch.compile(llama4_complex, backend=fuser.backend(config))(xq, xk, freqs_cis)
+    out = torch.compile(fn, backend=fuser.backend(config))(xq, xk, freqs_cis)
     assert fuser.backend(config).counts == {"rope": 1}
-    ref = llama4_complex(xq_ref, xk_ref, freqs_cis)
+    ref = fn(xq_ref, xk_ref, freqs_cis)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
     for o, r in zip(out, ref, strict=True):
         assert o.shape == r.shape and o.dtype == r.dtype
@@ -346,6 +342,15 @@ def test_complex_form_matches_as_one_op_and_equals_eager(dtype):
     torch.autograd.backward(ref, grads)
     torch.testing.assert_close(xq.grad.float(), xq_ref.grad.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(xk.grad.float(), xk_ref.grad.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_complex_form_matches_as_one_op_and_equals_eager(dtype):
+    xq = torch.randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
+    xk = torch.randn(B, T, HK, D, dtype=dtype, requires_grad=True)
+    freqs_cis = torch.polar(torch.ones(1, T, D // 2), torch.randn(1, T, D // 2))
+    assert fuser.explain(llama4_complex, xq, xk, freqs_cis).counts == {"rope": 1}
+    _assert_complex_rope_equals_eager(llama4_complex, xq, xk, freqs_cis, dtype)
 
 
 def llama4_complex_uncast(xq, xk, freqs_cis):  # without the final type_as: an fp32 result from bf16 inputs
@@ -408,20 +413,7 @@ def test_complex_form_with_shaped_rotations_matches_as_one_op_and_equals_eager(f
     report = fuser.explain(fn, xq, xk, freqs_cis)
     assert report.counts == {"rope": 1}, str(report)
     assert {m.variant for m in report.matches} == {"complex, shaped"}
-    xq_ref, xk_ref = xq.detach().clone().requires_grad_(), xk.detach().clone().requires_grad_()
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
-    out = torch.compile(fn, backend=fuser.backend(config))(xq, xk, freqs_cis)
-    assert fuser.backend(config).counts == {"rope": 1}
-    ref = fn(xq_ref, xk_ref, freqs_cis)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
-    for o, r in zip(out, ref, strict=True):
-        assert o.shape == r.shape and o.dtype == r.dtype
-        torch.testing.assert_close(o.float(), r.float(), rtol=tol, atol=tol)
-    grads = [torch.randn_like(r) for r in ref]
-    torch.autograd.backward(out, grads)
-    torch.autograd.backward(ref, grads)
-    torch.testing.assert_close(xq.grad.float(), xq_ref.grad.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(xk.grad.float(), xk_ref.grad.float(), rtol=tol, atol=tol)
+    _assert_complex_rope_equals_eager(fn, xq, xk, freqs_cis, dtype)
 
 
 def test_complex_form_with_a_per_head_rotation_declines():
