@@ -11,6 +11,7 @@ from fuser.patterns import PATTERNS
 from fuser.patterns.causal_attention import CausalAttentionConfig
 from fuser.patterns.gated_mlp import GatedMLPConfig
 from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
+from fuser.patterns.lora_sum import LoraSumConfig
 from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -21,6 +22,7 @@ __all__ = [
     "FuserConfig",
     "GatedMLPConfig",
     "LinearCrossEntropyConfig",
+    "LoraSumConfig",
     "UpcastLinearConfig",
 ]
 
@@ -55,6 +57,8 @@ class FuserConfig:
                            for swiglu and geglu.
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True)``; ``triton``
                            also switches lora_sum's kernels, which are the same.
+    lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True)``: a LoRA sum stored rounded adds its term
+                           to the base linear's unrounded fp32 output.
 
     e.g. ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
     ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
@@ -69,6 +73,7 @@ class FuserConfig:
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
     upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
+    lora_sum: LoraSumConfig = field(default_factory=LoraSumConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:

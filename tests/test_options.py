@@ -18,7 +18,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fuser
 import fuser.dynamo_backend
 import fuser.kernels.upcast_linear as U
-from fuser.config import CausalAttentionConfig, GatedMLPConfig, LinearCrossEntropyConfig, UpcastLinearConfig
+from fuser.config import (
+    CausalAttentionConfig,
+    GatedMLPConfig,
+    LinearCrossEntropyConfig,
+    LoraSumConfig,
+    UpcastLinearConfig,
+)
 from fuser.dynamo_backend import FuserBackend
 from fuser.kernels._triton import HAS_TRITON, interpreting, use_triton
 
@@ -262,6 +268,20 @@ def test_recompute_gated_input_by_name(recompute, gen, rewritten):
     assert len(calls(rewritten, OPS.upcast_linear_gated.default)) == int(recompute)
 
 
+# --- lora_sum: fp32_base ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp32_base", [False, True])
+def test_lora_sum_fp32_base_by_name(fp32_base, gen, rewritten):
+    """The down sum is the function's output, rounded: with ``fp32_base`` its base linear returns fp32 and the
+    sum rounds once; the gate and up sums feed the gated op unrounded either way."""
+    compile_by_name(lora_mlp, {"lora_sum": {"fp32_base": fp32_base}}, *lora_inputs(gen))
+    wide = calls(rewritten, OPS.linear_wide.default)
+    assert len(wide) == int(fp32_base)
+    rounded = [n for n in calls(rewritten, OPS.lora_sum.default) if n.args[0] in wide]
+    assert len(rounded) == int(fp32_base) and all(n.args[5] == torch.float16 for n in rounded)
+
+
 # --- the surface itself ---------------------------------------------------------------------------------------
 
 
@@ -272,7 +292,9 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     assert config.causal_attention == CausalAttentionConfig(gqa_fold=False, runtime_check=False)
     assert config.gated_mlp == GatedMLPConfig(recompute_for_down_weight=True, backward_in_place=True)
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
-    for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear):
+    assert config.lora_sum == LoraSumConfig(fp32_base=True)
+    for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
+                    config.lora_sum):  # fmt: skip
         assert dataclasses.is_dataclass(options)
         with pytest.raises(dataclasses.FrozenInstanceError):
             options.__setattr__(dataclasses.fields(options)[0].name, None)
@@ -305,6 +327,7 @@ def test_nested_dicts_and_dataclasses_build_the_same_config():
         ({"gated_mlp": {"recompute_for_down_weight": 0}}, TypeError, "gated_mlp.recompute_for_down_weight must be"),
         ({"upcast_linear": {"triton": "off"}}, TypeError, "upcast_linear.triton must be True or False"),
         ({"upcast_linear": {"recompute_gated_input": []}}, TypeError, "upcast_linear.recompute_gated_input must"),
+        ({"lora_sum": {"fp32_base": 1}}, TypeError, "lora_sum.fp32_base must be True or False"),
         ({"linear_cross_entropy": {"dw_kernal": "triton"}}, ValueError,
          r"unknown option\(s\) \['dw_kernal'\] in linear_cross_entropy; its options are "
          r"\['dw_accumulator', 'dw_kernel', 'streams'\]"),
@@ -345,6 +368,7 @@ def test_options_dataclasses_validate_themselves():
         {"gated_mlp": {"backward_in_place": False}},
         {"upcast_linear": {"triton": False}},
         {"upcast_linear": {"recompute_gated_input": False}},
+        {"lora_sum": {"fp32_base": False}},
     ],
     ids=lambda o: ".".join([*o, *next(iter(o.values()))]),
 )

@@ -93,11 +93,14 @@ def lora_sum_op(
     allow_triton: bool = True,
 ) -> torch.Tensor:
     """``out_dtype`` (not with ``round_term``): the sum's dtype instead of the base's: fp32 where the sum feeds a
-    residual add that rounds once (``(h + sum).to(bf16)``), as Inductor computes peft's cast fused into the add.
+    residual add that rounds once (``(h + sum).to(bf16)``), as Inductor computes peft's cast fused into the add;
+    half with an fp32 ``base`` (``fuser::linear_wide``'s): the sum of the unrounded base, rounded once.
     ``allow_triton``: whether the Triton kernels may run (forward and backward)."""
     _check(base, a, weight)
     dtype = base.dtype if out_dtype is None else out_dtype
-    if triton_path(base, a, weight, allow_triton=allow_triton):
+    # an fp32 base (``fuser::linear_wide``'s unrounded output) summed into a half result: the same kernel
+    base_dtypes = FLOAT_DTYPES if dtype in HALF_DTYPES else HALF_DTYPES
+    if triton_path(base, a, weight, base_dtypes=base_dtypes, allow_triton=allow_triton):
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
         rows = as_rows(base).contiguous()
         return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
@@ -230,3 +233,54 @@ def lora_sum(
     bitsandbytes (QLoRA) layers; the gradients are the same functions of ``g``. ``allow_triton=False``: the
     reference path (cuBLAS's fp32 matmuls) where the Triton kernels would run."""
     return torch.ops.fuser.lora_sum(base, a, weight, float(scale), round_term, allow_triton=allow_triton)
+
+
+def _wide_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2 @ weightᵀ`` in fp32, from half operands: cuBLAS's fp32 accumulator written as it is (``out_dtype``) on a
+    GPU; elsewhere the operands upcast (exact) and multiplied in fp32."""
+    if x2.is_cuda and x2.dtype in HALF_DTYPES and weight.dtype == x2.dtype:
+        return torch.mm(x2, weight.t(), out_dtype=torch.float32)
+    return x2.to(torch.float32) @ weight.to(torch.float32).t()
+
+
+@torch.library.custom_op("fuser::linear_wide", mutates_args=())
+def linear_wide_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of half operands, returned in fp32 before its rounding: the base output a
+    LoRA sum adds its term to (``fuser::lora_sum`` with an fp32 base rounds the sum once). Rounding the base
+    first and the sum again erases a LoRA term below half an ulp entirely: a rounded base is on the half grid,
+    so the second rounding returns it (issue 16). The gradients are the linear's, from the gradient rounded to
+    ``x``'s dtype (what the rounded output's gradient was)."""
+    check_floating("linear_wide", x=x, weight=weight)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.dtype != x.dtype:
+        raise ValueError(
+            f"fuser: linear_wide expects a weight [out, {x.shape[-1]}] of x's dtype {x.dtype}, got "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+    y = _wide_matmul(as_rows(x), weight)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear_wide_op.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+def _setup_context_linear_wide(ctx, inputs, output):
+    x, weight = inputs[:2]
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+    ctx.bias_dtype = inputs[2].dtype if len(inputs) > 2 and inputs[2] is not None else None
+
+
+def _backward_linear_wide(ctx, g):
+    x, weight = ctx.saved_tensors
+    need = (*ctx.needs_input_grad, False, False)[:3]
+    half = g.to(weight.dtype)
+    dx = half @ weight if need[0] else None
+    dw = half.reshape(-1, half.shape[-1]).t() @ as_rows(x) if need[1] else None
+    db = g.reshape(-1, g.shape[-1]).sum(0).to(ctx.bias_dtype) if need[2] else None
+    return (dx, dw, db)[: len(ctx.needs_input_grad)]
+
+
+linear_wide_op.register_autograd(_backward_linear_wide, setup_context=_setup_context_linear_wide)

@@ -25,10 +25,29 @@ from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
+from fuser.options import check_fields
 from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
+
+
+@dataclass(frozen=True)
+class LoraSumConfig:
+    """How a LoRA sum that must be stored rounded is computed.
+
+    fp32_base:  a sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to
+                the base linear's fp32 output (``fuser::linear_wide``: cuBLAS's accumulator, not rounded) and
+                rounds once. Rounding the base to bf16 first erases every LoRA term below half an ulp of it (a
+                bf16 base is on the bf16 grid, so the second rounding returns it), as eager and Inductor do: at
+                LoRA learning rates most of v_proj's update (issue 16). Default ``True``; costs one fp32
+                ``[tokens, out]`` write and read per such sum.
+    """
+
+    fp32_base: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "lora_sum")
 
 
 @dataclass(frozen=True)
@@ -335,15 +354,58 @@ def _drop_dead_casts(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _plain_linear(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, ...] | None:
+    """``(x, weight[, bias])`` of ``F.linear`` when ``node`` is one whose inputs are all ``dtype``; else None."""
+    if node.op != "call_function" or node.target is not torch.nn.functional.linear:
+        return None
+    args = (*node.args, *([node.kwargs["bias"]] if "bias" in node.kwargs else []))
+    if set(node.kwargs) - {"bias"} or not 2 <= len(args) <= 3:
+        return None
+    if len(args) == 3 and args[2] is None:
+        args = args[:2]
+    metas = [tensor_meta(v) if isinstance(v, torch.fx.Node) else None for v in args]
+    if any(m is None or m.dtype != dtype for m in metas):
+        return None
+    return args
+
+
+def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
+    """A LoRA sum still rounded (no consumer took its fp32 value: v_proj's, read by attention) whose base is a
+    linear read by nothing else → the base becomes ``fuser::linear_wide`` (its fp32 output, not rounded) and the
+    sum rounds once: a LoRA term below half the base's ulp moves the rounded sum as often as it would move an
+    fp32 model's, instead of never (``LoraSumConfig.fp32_base``). Returns how many sums."""
+    n = 0
+    for node in _rounded_sums(graph):
+        base = node.args[0]
+        half = tensor_meta(node).dtype
+        operands = _plain_linear(base, half) if isinstance(base, torch.fx.Node) and len(base.users) == 1 else None
+        if operands is None:
+            continue
+        with graph.inserting_before(base):
+            wide = graph.call_function(torch.ops.fuser.linear_wide.default, operands)
+        example = base.meta.get("example_value")
+        wide.meta.update({k: v for k, v in base.meta.items() if k != "example_value"})
+        if example is not None:
+            wide.meta["example_value"] = example.to(torch.float32)
+        node.args = (wide, *node.args[1:4], False, half)
+        graph.erase_node(base)
+        n += 1
+    return n
+
+
 def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
-    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16)."""
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16), then, for the sums
+    that stay rounded, the base's fp32 value (``LoraSumConfig.fp32_base``)."""
     _drop_dead_casts(graph)
-    return (
+    n = (
         keep_wide_sums_for_gated_ops(graph)
         + sum_into_residual_adds(graph)
         + sum_into_rope(graph)
         + sum_into_norms(graph)
     )
+    if config is None or config.lora_sum.fp32_base:
+        n += sum_from_fp32_bases(graph)
+    return n
 
 
 LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)

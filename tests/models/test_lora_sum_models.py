@@ -30,16 +30,17 @@ def test_on_by_default_and_counted():
 
 
 def test_alone_it_is_eager_except_the_residual_sums_kept_fp32():
-    """Alone (no gated op, no RoPE op to feed), lora_sum computes peft's sums as eager does, except the o and down
-    sums, which feed residual adds: those stay fp32 and the add rounds once, as Inductor computes them (issue 16).
-    So the step is no longer eager's bit for bit: it is at least as close to fp32's."""
+    """Alone (no gated op, no RoPE op to feed), lora_sum computes peft's sums as eager does, except that the o and
+    down sums, which feed residual adds, stay fp32 and the add rounds once, as Inductor computes them, and every
+    other sum adds its term to its base's fp32 output and rounds once (``LoraSumConfig.fp32_base``; issue 16). So
+    the step is no longer eager's bit for bit: it is at least as close to fp32's."""
     config = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
     model = lora_model()
     loss32, grads32 = lora_step(copy.deepcopy(model).float())
     loss_ref, grads_ref = lora_step(copy.deepcopy(model))
     loss, grads = lora_step(model, config)
     assert fuser.backend(config).counts == {"lora_sum": 7 * N_LAYERS}
-    assert fuser.backend(config).results[-1].refined == {"lora_sum": 2 * N_LAYERS}
+    assert fuser.backend(config).results[-1].refined == {"lora_sum": 7 * N_LAYERS}
     assert abs(loss - loss32) <= 1.5 * abs(loss_ref - loss32) + 1e-3 * abs(loss32)
     for name, g in grads.items():
         assert g.dtype == torch.float32, name
@@ -48,6 +49,11 @@ def test_alone_it_is_eager_except_the_residual_sums_kept_fp32():
 
 
 def close_to_fp32_as_eager(dtype, config):
+    """The loss, and the gradients summed over the model, at least as close to fp32's as eager's; each gradient
+    within 2x eager's distance. One gradient's half-precision error is one draw of rounding noise: on this model,
+    over build seeds 0-3, fuser's ratio to eager's for single LoRA gradients reached 1.62 before the v sums' fp32
+    bases and 1.64 after (CPU, bf16), while the sums over the model were smaller than eager's in every seed. A
+    wrong gradient is off by about its own size, far past either bar."""
     model = lora_model(dtype)
     reference32 = copy.deepcopy(model).float()  # the same values, computed in fp32
     loss32, grads32 = lora_step(reference32)
@@ -56,9 +62,10 @@ def close_to_fp32_as_eager(dtype, config):
     counts = fuser.backend(config).counts
     assert counts.get("lora_sum") == 7 * N_LAYERS and counts.get("swiglu") == N_LAYERS, counts
     assert abs(loss - loss32) <= 2 * abs(loss16 - loss32) + 1e-3 * abs(loss32)
-    for name, g in grads.items():
-        err, err_eager = rel(g, grads32[name]), rel(grads16[name], grads32[name])
-        assert err <= 1.5 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {dtype} {err_eager:.2e} vs fp32"
+    errors = {name: (rel(g, grads32[name]), rel(grads16[name], grads32[name])) for name, g in grads.items()}
+    assert sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), errors
+    for name, (err, err_eager) in errors.items():
+        assert err <= 2 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {dtype} {err_eager:.2e} vs fp32"
 
 
 def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():

@@ -4,11 +4,14 @@ with the reason in ``fuser.explain``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fuser
+from fuser.config import LoraSumConfig
 
 STRICT = fuser.FuserConfig(patterns=("lora_sum",), inner_compiler="aot_eager", strict=True)
 N_IN, N_OUT = 64, 48
@@ -32,19 +35,32 @@ def inputs(gen, dtype=torch.bfloat16, rank=8):
     return x, w, a, b
 
 
+def lora_linear_wide(x, w, a, b_lora, scale=2.0):  # the sum of the base's fp32 output, rounded once
+    base = F.linear(x.float(), w.float())
+    return (base + F.linear(F.linear(x.to(a.dtype), a), b_lora) * scale).to(x.dtype)
+
+
+@pytest.mark.parametrize("fp32_base", [True, False], ids=["fp32 base", "rounded base"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_lora_b_sum_is_matched_and_trains_the_same(dtype, gen):
+def test_lora_b_sum_is_matched_and_trains_the_same(dtype, fp32_base, gen):
+    """The sum is the function's output, stored rounded: by default (``fp32_base``) the op adds the term to the
+    base's fp32 output and rounds once, bit for bit what that computes in fp32; switched off, peft's graph bit for
+    bit. The backward, for the same incoming gradient, is eager's bit for bit either way."""
+    config = dataclasses.replace(STRICT, lora_sum=LoraSumConfig(fp32_base=fp32_base))
     x, w, a, b = inputs(gen, dtype)
-    report = fuser.explain(lora_linear, x, w, a, b, config=STRICT)
+    report = fuser.explain(lora_linear, x, w, a, b, config=config)
     assert report.counts == {"lora_sum": 1}, str(report)
-    expected = lora_linear(x, w, a, b)
-    expected.float().square().sum().backward()
+    expected = (lora_linear_wide if fp32_base else lora_linear)(x, w, a, b)
+    g = torch.randn(expected.shape, generator=gen).to(dtype)
+    lora_linear(x, w, a, b).backward(g)
     ref = [t.grad.clone() for t in (x, w, a, b)]
     for t in (x, w, a, b):
         t.grad = None
-    out = torch.compile(lora_linear, backend=fuser.backend(STRICT))(x, w, a, b)
-    out.float().square().sum().backward()
+    out = torch.compile(lora_linear, backend=fuser.backend(config))(x, w, a, b)
+    out.backward(g)
     assert torch.equal(out, expected)
+    if fp32_base:  # and the case discriminates: rounding the base first gives another sum
+        assert not torch.equal(out, lora_linear(x, w, a, b))
     for name, t, r in zip(("x", "base weight", "lora_A", "lora_B"), (x, w, a, b), ref, strict=True):
         assert torch.equal(t.grad, r), f"d{name}"
 
