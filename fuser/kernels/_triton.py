@@ -11,7 +11,7 @@ the Triton kernels run through Triton's interpreter, which is how CI exercises t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -150,7 +150,10 @@ def contiguous(result: torch.Tensor | tuple[torch.Tensor | None, ...]) -> Any:
     return tuple(t.contiguous() if t is not None else None for t in result)
 
 
-def dispatch(on_triton: bool, triton_fn, reference_fn, *args, **kwargs) -> Any:  # TEMP until every op has one entry
+def dispatch(on_triton: bool, triton_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """An op's two paths, called alike: ``triton_fn(*args, **kwargs)`` where its kernels run (``on_triton``), else
+    ``reference_fn(*args, **kwargs)`` with its results made :func:`contiguous`. Only gated_activation still has
+    separate reference and Triton functions; rope and rms_norm have one entry per direction (:func:`takes_triton`)."""
     return triton_fn(*args, **kwargs) if on_triton else contiguous(reference_fn(*args, **kwargs))
 
 
