@@ -1,7 +1,7 @@
 """What the fused ops share around their kernels: the Triton import itself; when an op takes its Triton path
-(:func:`triton_runs`) and the call of one path or the other (:func:`dispatch`); the reference compute dtype; the
-dtype check every public op makes of its tensor arguments, and the weight and bias check of the ops that apply a
-linear layer; the ``[rows, n_cols]`` views the row-wise kernels read and write.
+(:func:`triton_runs`), and which path an op's single entry takes for its ``impl`` argument (:func:`takes_triton`);
+the reference compute dtype; the dtype check every public op makes of its tensor arguments, and the weight and bias
+check of the ops that apply a linear layer; the ``[rows, n_cols]`` views the row-wise kernels read and write.
 
 CUDA tensors always take Triton when it is installed. CPU tensors take the plain-torch reference, except inside
 ``with triton_on_cpu():`` while ``TRITON_INTERPRET=1`` is set (Triton reads it when it is first imported): then
@@ -130,16 +130,31 @@ def triton_runs(x: torch.Tensor, *others: torch.Tensor | None, out_dtypes: Itera
     return use_triton(x) and kernel_dtypes(x, *others, out_dtypes=out_dtypes)
 
 
-def dispatch(on_triton: bool, triton_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """An op's two paths, called alike: ``triton_fn(*args, **kwargs)`` where its kernels run (``on_triton``, e.g.
-    :func:`triton_runs`), else ``reference_fn(*args, **kwargs)`` with its tensor results (one tensor, or a tuple
-    with ``None`` for what was not computed) made contiguous, as the kernels write theirs."""
-    if on_triton:
-        return triton_fn(*args, **kwargs)
-    result = reference_fn(*args, **kwargs)
+IMPLS = ("auto", "triton", "reference")
+
+
+def takes_triton(impl: str, on_triton: bool) -> bool:
+    """Which path an op's entry takes for its ``impl`` argument: ``"triton"`` its kernels, ``"reference"`` its
+    plain-torch formulas (the only path for fp64, the test oracle), ``"auto"`` the kernels where ``on_triton`` (the
+    op's own test, e.g. :func:`triton_runs`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"fuser: impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and on_triton)
+
+
+def contiguous(result: torch.Tensor | tuple[torch.Tensor | None, ...]) -> Any:
+    """A reference path's tensor results (one tensor, or a tuple with ``None`` for what was not computed) made
+    contiguous, as the kernels write theirs."""
     if isinstance(result, torch.Tensor):
         return result.contiguous()
     return tuple(t.contiguous() if t is not None else None for t in result)
+
+
+def dispatch(on_triton: bool, triton_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """An op's two paths, called alike: ``triton_fn(*args, **kwargs)`` where its kernels run (``on_triton``), else
+    ``reference_fn(*args, **kwargs)`` with its results made :func:`contiguous`. Only gated_activation still has
+    separate reference and Triton functions; rope and rms_norm have one entry per direction (:func:`takes_triton`)."""
+    return triton_fn(*args, **kwargs) if on_triton else contiguous(reference_fn(*args, **kwargs))
 
 
 def or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -67,19 +67,14 @@ def triton_path(
     )
 
 
-def reference(
-    base: torch.Tensor,
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    scale: float,
-    round_term: bool = False,
-    out_dtype: torch.dtype | None = None,
+def _graph_sum(
+    base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool, dtype: torch.dtype
 ) -> torch.Tensor:
-    """What peft's graph computes, op by op (``round_term``: its bitsandbytes layers' order); ``out_dtype``: the
-    sum cast to that dtype instead of the base's."""
+    """The reference path: what peft's graph computes, op by op, the sum cast to ``dtype`` (``round_term``: its
+    bitsandbytes layers' order, the term rounded to the base's dtype and added in it)."""
     if round_term:
         return base + (F.linear(a, weight) * scale).to(base.dtype)
-    return (base + F.linear(a, weight) * scale).to(base.dtype if out_dtype is None else out_dtype)
+    return (base + F.linear(a, weight) * scale).to(dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum", mutates_args=())
@@ -104,7 +99,7 @@ def lora_sum_op(
         # a @ Bᵀ: the dx kernel's ``dy @ W`` with W = Bᵀ (a strided view), base and scale in its epilogue
         rows = as_rows(base).contiguous()
         return U._dx_triton(a, weight.t(), dtype, rows, scale, round_term).view(base.shape)
-    return reference(base, a, weight, scale, round_term, out_dtype)
+    return _graph_sum(base, a, weight, scale, round_term, dtype)
 
 
 @lora_sum_op.register_fake
@@ -195,7 +190,7 @@ def lora_sum_wide_op(
         wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
         out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
         return out, wide
-    wide = reference(base, a, weight, scale, out_dtype=torch.float32)
+    wide = _graph_sum(base, a, weight, scale, False, torch.float32)
     return wide.to(base.dtype), wide
 
 

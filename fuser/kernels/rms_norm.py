@@ -18,85 +18,70 @@ partials are summed by ``torch.sum`` afterwards (no atomics).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fuser.kernels._triton import (
-    HAS_TRITON,
-    as_rows,
-    cdiv,
-    check_floating,
-    compute_dtype,
-    dispatch,
-    next_power_of_2,
-    num_programs_for,
-    or_empty,
-    out_rows,
-    tl,
-    triton,
-    triton_runs,
-)
+from fuser.kernels import _triton as tt
+from fuser.kernels._triton import HAS_TRITON, tl, triton
+
+
+@dataclass(frozen=True)
+class Norm:
+    """The norm's parameters, as its functions pass them around: ``weight`` (None: none), ``eps``, ``offset``
+    (``1`` for Gemma's ``1 + weight``) and ``norm_dtype`` (the normalised value rounded to it before the weight
+    multiply, as Llama's explicit cast; None: not rounded)."""
+
+    weight: torch.Tensor | None
+    eps: float
+    offset: float = 0.0
+    norm_dtype: torch.dtype | None = None
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Plain-torch reference: the same forward and backward formulas, used on CPU and as the test oracle.
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rms_norm_reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+def _reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd per row, fp32 (fp64 for fp64 inputs), shape ``x.shape[:-1]``."""
-    xc = x.to(compute_dtype(x))
+    xc = x.to(tt.compute_dtype(x))
     return torch.rsqrt(xc.pow(2).mean(-1) + eps)
 
 
-def rms_norm_reference_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float = 0.0,
-    norm_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Forward in fp32 (fp64 for fp64 inputs); the result in ``out_dtype`` (default: x's dtype)."""
-    compute = compute_dtype(x)
+def _reference_forward(x: torch.Tensor, norm: Norm, out_dtype: torch.dtype) -> torch.Tensor:
+    """Forward in fp32 (fp64 for fp64 inputs); the result in ``out_dtype``."""
+    compute = tt.compute_dtype(x)
     xc = x.to(compute)
     # compute rstd
-    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + norm.eps)
     n = xc * rstd
-    if norm_dtype is not None:
-        n = n.to(norm_dtype).to(compute)
-    y = n if weight is None else n * (weight.to(compute) + offset)
-    return y.to(out_dtype or x.dtype)
+    if norm.norm_dtype is not None:
+        n = n.to(norm.norm_dtype).to(compute)
+    y = n if norm.weight is None else n * (norm.weight.to(compute) + norm.offset)
+    return y.to(out_dtype)
 
 
-def rms_norm_reference_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float = 0.0,
-    norm_dtype: torch.dtype | None = None,
-    compute_dweight: bool = True,
-    rstd: torch.Tensor | None = None,
-    dx_dtype: torch.dtype | None = None,
+def _reference_backward(
+    dy: torch.Tensor, x: torch.Tensor, norm: Norm, compute_dweight: bool, rstd: torch.Tensor | None, dx_dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written backward (not autograd of the forward): returns (dx in ``dx_dtype``, default x's, and
-    dweight or None).
-
-    ``rstd`` (shape ``x.shape[:-1]``) is the forward's saved statistic; without it, it is recomputed.
-    """
-    compute = compute_dtype(x)
+    """The hand-written backward (not autograd of the forward): (dx in ``dx_dtype``, default x's, and dweight or
+    None). ``rstd`` (shape ``x.shape[:-1]``) is the forward's saved statistic; without it, it is recomputed."""
+    weight = norm.weight
+    compute = tt.compute_dtype(x)
     xc = x.to(compute)
     dyc = dy.to(compute)
     n_cols = x.shape[-1]
     if rstd is None:
-        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + norm.eps)
     else:
         rstd = rstd.to(compute).unsqueeze(-1)
     n = xc * rstd
-    g = dyc if weight is None else dyc * (weight.to(compute) + offset)
+    g = dyc if weight is None else dyc * (weight.to(compute) + norm.offset)
     dx = rstd * (g - n * ((g * n).sum(-1, keepdim=True) / n_cols))
     dweight = None
     if weight is not None and compute_dweight:
-        n_w = n if norm_dtype is None else n.to(norm_dtype).to(compute)
+        n_w = n if norm.norm_dtype is None else n.to(norm.norm_dtype).to(compute)
         dweight = (dyc * n_w).reshape(-1, n_cols).sum(0).to(weight.dtype)
     return dx.to(dx_dtype or x.dtype), dweight
 
@@ -225,7 +210,7 @@ _MAX_BLOCK_N = 65536
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
     """Forward: (rows per program, BLOCK_N, warps). Within 3% of the best swept config on the H200."""
-    block_n = next_power_of_2(n_cols)
+    block_n = tt.next_power_of_2(n_cols)
     block_m = max(1, min(64, 4096 // block_n))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
     return block_m, block_n, num_warps
@@ -237,7 +222,7 @@ def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
     Larger tiles and fewer resident programs won: hidden 2048 best at 4 rows × 4 warps × 2 programs/SM,
     4096 at 4 × 8 × 1, 8192 at 2 × 16 × 1 (25–30% faster than one row × 4 programs/SM).
     """
-    block_n = next_power_of_2(n_cols)
+    block_n = tt.next_power_of_2(n_cols)
     block_m = max(1, min(64, (8192 if block_n <= 2048 else 16384) // block_n))
     num_warps = max(4, min(16, block_n // 512))
     programs_per_sm = 2 if block_n <= 2048 else 1
@@ -246,36 +231,20 @@ def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
 
 def _triton_runs(x: torch.Tensor) -> bool:
     # a row must fit one block
-    return triton_runs(x) and x.shape[-1] <= _MAX_BLOCK_N
+    return tt.triton_runs(x) and x.shape[-1] <= _MAX_BLOCK_N
 
 
-def rms_norm_forward_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float = 0.0,
-    norm_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-    rstd: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    sum_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Launch the forward kernel. ``out`` (contiguous, x's shape) lets tests pre-fill the result with NaN;
-    ``rstd`` (contiguous fp32, ``x.shape[:-1]``), when given, receives each row's rstd. With ``residual`` (x's
-    shape) the norm is of ``x + residual`` in fp32, and ``sum_out`` (contiguous, x's shape) receives that sum."""
+def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out) -> None:
+    """The forward kernel into ``out`` (and ``rstd``, ``sum_out`` where given), x and residual read as row views."""
     n_cols = x.shape[-1]
-    x2 = as_rows(x)
-    r2 = as_rows(residual) if residual is not None else None
-    weight = weight.contiguous() if weight is not None else None
-    if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    y2 = out_rows(out)
+    x2 = tt.as_rows(x)
+    r2 = tt.as_rows(residual) if residual is not None else None
+    weight = norm.weight.contiguous() if norm.weight is not None else None
+    y2 = tt.out_rows(out)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (cdiv(n_rows, block_m),)
     if n_rows > 0:
-        rms_norm_fwd_kernel[grid](
+        rms_norm_fwd_kernel[(tt.cdiv(n_rows, block_m),)](
             x2,
             weight if weight is not None else x2,
             y2,
@@ -287,45 +256,28 @@ def rms_norm_forward_triton(
             r2.stride(0) if r2 is not None else 0,
             n_rows,
             n_cols,
-            eps,
-            offset,
+            norm.eps,
+            norm.offset,
             HAS_WEIGHT=weight is not None,
-            NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            NORM_CAST=_NORM_CAST_CODE[norm.norm_dtype],
             STORE_RSTD=rstd is not None,
             HAS_RESIDUAL=r2 is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    return out
 
 
-def rms_norm_backward_triton(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float = 0.0,
-    norm_dtype: torch.dtype | None = None,
-    compute_dweight: bool = True,
-    dx_out: torch.Tensor | None = None,
-    rstd: torch.Tensor | None = None,
-    dx_dtype: torch.dtype | None = None,
-    dres: torch.Tensor | None = None,
-    dx2_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel; ``rstd`` is the forward's (recomputed in the kernel when ``None``); dx in
-    ``dx_dtype`` (default x's). ``dres`` (x's shape): a gradient added to dx (add_rms_norm's sum's); ``dx2_out``
-    (contiguous, x's shape) receives dx a second time, in its own dtype."""
+def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out) -> torch.Tensor | None:
+    """The backward kernel into ``dx`` (and ``dx2_out`` where given); returns dweight (None where not computed)."""
     n_cols = x.shape[-1]
-    x2 = as_rows(x)
-    weight = weight.contiguous() if weight is not None else None
-    dy2 = as_rows(dy)
-    dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
-    dx2 = out_rows(dx)
+    x2 = tt.as_rows(x)
+    weight = norm.weight.contiguous() if norm.weight is not None else None
+    dy2 = tt.as_rows(dy)
+    dx2 = tt.out_rows(dx)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
-    n_programs = max(1, min(num_programs_for(x, programs_per_sm), cdiv(n_rows, block_m)))
+    n_programs = max(1, min(tt.num_programs_for(x, programs_per_sm), tt.cdiv(n_rows, block_m)))
     rstd = rstd.reshape(-1).contiguous() if rstd is not None else None
     compute_dw = weight is not None and compute_dweight
     dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
@@ -345,12 +297,12 @@ def rms_norm_backward_triton(
             n_rows,
             n_cols,
             n_programs,
-            cdiv(cdiv(n_rows, block_m), n_programs),
-            eps,
-            offset,
+            tt.cdiv(tt.cdiv(n_rows, block_m), n_programs),
+            norm.eps,
+            norm.offset,
             HAS_WEIGHT=weight is not None,
             COMPUTE_DW=compute_dw,
-            NORM_CAST=_NORM_CAST_CODE[norm_dtype],
+            NORM_CAST=_NORM_CAST_CODE[norm.norm_dtype],
             LOAD_RSTD=rstd is not None,
             HAS_DRES=dres is not None,
             STORE_DX2=dx2_out is not None,
@@ -360,8 +312,73 @@ def rms_norm_backward_triton(
         )
     elif compute_dw:
         dw_partial.zero_()
-    dweight = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
-    return dx, dweight
+    return dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One entry per direction: the Triton kernel or the plain-torch reference (used on CPU, and the test oracle)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_forward(
+    x: torch.Tensor,
+    norm: Norm,
+    out_dtype: torch.dtype | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    impl: str = "auto",
+    out: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The norm of ``x`` (with ``residual``, x's shape: of ``x + residual`` summed in fp32) in ``out_dtype``
+    (default x's), computed in fp32 (fp64 for fp64 inputs on the reference path). ``rstd`` (contiguous fp32,
+    ``x.shape[:-1]``), when given, receives each row's rstd, and ``sum_out`` (contiguous, x's shape) the sum;
+    ``out`` (contiguous, x's shape) receives the result (tests pre-fill it with NaN). ``impl``: ``"triton"``,
+    ``"reference"``, or ``"auto"`` (the kernel where Triton runs and a row fits one block)."""
+    out_dtype = out_dtype or x.dtype
+    if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
+        out = out if out is not None else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        _launch_forward(x, norm, out, rstd, residual, sum_out)
+        return out
+    wide = x if residual is None else x.to(torch.float32) + residual.to(torch.float32)
+    y = _reference_forward(wide, norm, out_dtype)
+    if rstd is not None:
+        rstd.copy_(_reference_rstd(wide, norm.eps))
+    if sum_out is not None:
+        sum_out.copy_(wide)
+    return out.copy_(y) if out is not None else y.contiguous()
+
+
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    norm: Norm,
+    compute_dweight: bool = True,
+    dx_dtype: torch.dtype | None = None,
+    *,
+    rstd: torch.Tensor | None = None,
+    dres: torch.Tensor | None = None,
+    impl: str = "auto",
+    dx_out: torch.Tensor | None = None,
+    dx2_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx in ``dx_dtype``, default x's; dweight or None). ``rstd`` is the forward's (recomputed when ``None``);
+    ``dres`` (x's shape): a gradient added to dx in fp32 (add_rms_norm's sum's); ``dx2_out`` (contiguous, x's
+    shape) receives dx a second time, in its own dtype; ``dx_out`` (x's shape) receives dx (tests pre-fill it with
+    NaN). ``impl`` as for :func:`rms_norm_forward`."""
+    if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
+        dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
+        return dx, _launch_backward(dy, x, norm, compute_dweight, rstd, dres, dx, dx2_out)
+    # add_rms_norm's gradient: the sum's own joins the norm's in fp32, and the one value is stored in two dtypes
+    summed = dres is not None or dx2_out is not None
+    dx, dweight = _reference_backward(dy, x, norm, compute_dweight, rstd, torch.float32 if summed else dx_dtype)
+    if dres is not None:
+        dx = dx + dres.to(torch.float32)
+    if dx2_out is not None:
+        dx2_out.copy_(dx)
+    dx = dx.to(dx_dtype or x.dtype)
+    return (dx_out.copy_(dx) if dx_out is not None else dx.contiguous()), dweight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -385,16 +402,13 @@ def rms_norm_op(
     dtype). The norm and rstd are computed from it, as Inductor computes a norm fused with the sum's cast; ``x`` is
     saved, and the gradient (fp32) goes to ``x_wide`` when it requires one, else to ``x``. The result defaults to
     x's dtype."""
-    check_floating("rms_norm", x=x, weight=weight)
+    tt.check_floating("rms_norm", x=x, weight=weight)
     if x_wide is not None:
         _check_wide(x, x_wide)
         out_dtype = out_dtype or x.dtype
         x = x_wide
-    if _triton_runs(x):
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        return rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd), rstd
-    y = rms_norm_reference_forward(x, weight, eps, offset, norm_dtype, out_dtype).contiguous()
-    return y, rms_norm_reference_rstd(x, eps).float()
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    return rms_norm_forward(x, Norm(weight, eps, offset, norm_dtype), out_dtype, rstd=rstd), rstd
 
 
 def _check_wide(x: torch.Tensor, x_wide: torch.Tensor) -> None:
@@ -425,11 +439,9 @@ def rms_norm_backward_op(
     dx_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor)."""
-    args = (dy, x, weight, eps, offset, norm_dtype, compute_dweight)
-    dx, dw = dispatch(
-        _triton_runs(x), rms_norm_backward_triton, rms_norm_reference_backward, *args, rstd=rstd, dx_dtype=dx_dtype
-    )
-    return dx, or_empty(dw, x)
+    norm = Norm(weight, eps, offset, norm_dtype)
+    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd)
+    return dx, tt.or_empty(dw, x)
 
 
 @rms_norm_backward_op.register_fake
@@ -471,32 +483,31 @@ def _backward(ctx, dy, _drstd):
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("fuser::add_rms_norm", mutates_args=())
-def add_rms_norm_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float,
-    norm_dtype: torch.dtype | None,
-    out_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The add variants take the plain ops' norm arguments (their schemas are written from the same pieces as those
+# torch infers from rms_norm_op's and rms_norm_backward_op's signatures), and the residual or the sum's gradient.
+_NORM_SCHEMA = "Tensor? weight, float eps, float offset, ScalarType? norm_dtype"
+_NORM_BACKWARD_SCHEMA = (
+    "Tensor? weight, Tensor rstd, float eps, float offset, ScalarType? norm_dtype, bool compute_dweight"
+)
+
+
+@torch.library.custom_op(
+    "fuser::add_rms_norm",
+    mutates_args=(),
+    schema=f"(Tensor x, Tensor residual, {_NORM_SCHEMA}, ScalarType? out_dtype) -> (Tensor, Tensor, Tensor)",
+)
+def add_rms_norm_op(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
     x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
     rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, fp32 or x's
     dtype (a LoRA sum kept in fp32, issue 16)."""
-    check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
+    tt.check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
     _check_residual(x, residual)
-    out_dtype = out_dtype or x.dtype
-    if _triton_runs(x):
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        y = rms_norm_forward_triton(x, weight, eps, offset, norm_dtype, out_dtype, rstd=rstd, residual=residual,
-                                    sum_out=h)  # fmt: skip
-        return y, rstd, h
-    wide = x.to(torch.float32) + residual.to(torch.float32)
-    y = rms_norm_reference_forward(wide, weight, eps, offset, norm_dtype, out_dtype).contiguous()
-    return y, rms_norm_reference_rstd(wide, eps).float(), wide.to(x.dtype).contiguous()
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    norm = Norm(weight, eps, offset, norm_dtype)
+    y = rms_norm_forward(x, norm, out_dtype, residual=residual, rstd=rstd, sum_out=h)
+    return y, rstd, h
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
@@ -517,31 +528,21 @@ def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     )
 
 
-@torch.library.custom_op("fuser::add_rms_norm_backward", mutates_args=())
-def add_rms_norm_backward_op(
-    dy: torch.Tensor,
-    dh: torch.Tensor | None,
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    eps: float,
-    offset: float,
-    norm_dtype: torch.dtype | None,
-    compute_dweight: bool,
-    residual_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    "fuser::add_rms_norm_backward",
+    mutates_args=(),
+    schema=(
+        f"(Tensor dy, Tensor? dh, Tensor h, {_NORM_BACKWARD_SCHEMA}, ScalarType residual_dtype)"
+        " -> (Tensor, Tensor, Tensor)"
+    ),
+)
+def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
     """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
     plus ``dh`` (the rounded sum's own gradient, from the residual stream), one value in two dtypes."""
-    args = (dy, h, weight, eps, offset, norm_dtype, compute_dweight)
-    if _triton_runs(h):
-        dres = torch.empty(h.shape, dtype=residual_dtype, device=h.device)
-        dx, dw = rms_norm_backward_triton(*args, rstd=rstd, dx_dtype=h.dtype, dres=dh, dx2_out=dres)
-    else:
-        d, dw = rms_norm_reference_backward(*args, rstd=rstd, dx_dtype=torch.float32)
-        if dh is not None:
-            d = d + dh.to(torch.float32)
-        dx, dres = d.to(h.dtype).contiguous(), d.to(residual_dtype).contiguous()
-    return dx, dres, or_empty(dw, h)
+    dres = torch.empty(h.shape, dtype=residual_dtype, device=h.device)
+    norm = Norm(weight, eps, offset, norm_dtype)
+    dx, dw = rms_norm_backward(dy, h, norm, compute_dweight, h.dtype, rstd=rstd, dres=dh, dx2_out=dres)
+    return dx, dres, tt.or_empty(dw, h)
 
 
 @add_rms_norm_backward_op.register_fake
@@ -593,7 +594,7 @@ def rms_norm(
     Statistics are computed in fp32 whatever the input dtype. x and the weight must be floating point
     (:class:`~fuser.kernels._triton.DtypeError` otherwise, as ``F.rms_norm`` raises for an integer x).
     """
-    check_floating("rms_norm", x=x, weight=weight)
+    tt.check_floating("rms_norm", x=x, weight=weight)
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[-1]):
         raise ValueError(
             f"fuser: rms_norm expects a 1-D weight of size {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}"

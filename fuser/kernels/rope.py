@@ -41,6 +41,9 @@ not tuned on a GPU yet.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from fuser.kernels._triton import (
@@ -49,9 +52,9 @@ from fuser.kernels._triton import (
     cdiv,
     check_floating,
     compute_dtype,
-    dispatch,
     kernel_dtypes,
     next_power_of_2,
+    takes_triton,
     tl,
     triton,
     use_triton,
@@ -83,21 +86,27 @@ def _check_dtype_arg(name: str, dtype: torch.dtype | None) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """What rotates q and k (and, transposed, their gradients): ``cos``/``sin`` 4-D, broadcastable to
+    ``[B, 1, T, rotary_dim]``; the first ``rotary_dim`` channels are rotated, paired per ``layout``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    layout: str
+
+
 def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    **dtypes: torch.dtype | None,
+    q: torch.Tensor, k: torch.Tensor | None, rotation: Rotation, dtypes: Iterable[tuple[str, torch.dtype | None]]
 ) -> None:
     """Shapes, dtypes and devices; ``q``/``k`` may equally be the gradients dq_out/dk_out; ``dtypes``: the
-    requested result dtypes by argument name (``out_dtype=...``)."""
-    _check_layout(layout)
+    requested result dtypes, each with the name of the argument that asked for it (``("out_dtype", ...)``)."""
+    cos, sin, rotary_dim = rotation.cos, rotation.sin, rotation.rotary_dim
+    _check_layout(rotation.layout)
     # first, so an integer tensor is named for what it is rather than failing a shape check
     check_floating("rope", q=q, k=k, cos=cos, sin=sin)
-    for name, dtype in dtypes.items():
+    for name, dtype in dtypes:
         _check_dtype_arg(name, dtype)
     if q.dim() != 4:
         raise ValueError(f"fuser: rope expects q of shape [batch, heads, seq, head_dim], got {tuple(q.shape)}")
@@ -150,20 +159,15 @@ def _join(first: torch.Tensor, second: torch.Tensor, interleaved: bool) -> torch
 
 
 def _rotate_reference(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    backward: bool,
-    out_dtype: torch.dtype | None,
+    x: torch.Tensor, rotation: Rotation, backward: bool, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
     """One tensor through the module docstring's formulas (forward, or the transposed rotation for backward),
     computed in fp32 (fp64 when any operand is fp64) and returned in ``out_dtype`` (None: x's dtype)."""
     out_dtype = out_dtype or x.dtype
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    in_pairs, out_pairs = _PAIRING[layout]
+    cos, sin, rotary_dim = rotation.cos, rotation.sin, rotation.rotary_dim
+    in_pairs, out_pairs = _PAIRING[rotation.layout]
     compute = max((compute_dtype(t) for t in (x, cos, sin)), key=lambda d: d.itemsize)
     xc = x.to(compute)
     cos_p, cos_o = _split(cos.to(compute), rotary_dim, out_pairs)  # cos at the output channels p and o
@@ -178,43 +182,6 @@ def _rotate_reference(
         rotated = _join(x_a * cos_p - x_b * sin_p, x_b * cos_o + x_a * sin_o, out_pairs)
     # the pass-through channels are copied as they are (only converted to out_dtype)
     return torch.cat((rotated.to(out_dtype), x[..., rotary_dim:].to(out_dtype)), dim=-1).contiguous()
-
-
-def rope_reference_forward(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(q_out, k_out) in fp32 (fp64 for fp64 inputs), returned contiguous in ``out_dtype`` (None: q's / k's
-    dtype); ``cos``/``sin`` 4-D, broadcastable to ``[B, 1, T, rotary_dim]``. ``k`` None gives None; a 0-element
-    k an empty k_out."""
-    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
-    q_out = _rotate_reference(q, cos, sin, rotary_dim, layout, False, out_dtype)
-    k_out = None if k is None else _rotate_reference(k, cos, sin, rotary_dim, layout, False, out_dtype)
-    return q_out, k_out
-
-
-def rope_reference_backward(
-    dq_out: torch.Tensor,
-    dk_out: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    dq_dtype: torch.dtype | None = None,
-    dk_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written backward (not autograd of the forward): (dq, dk), the transposed rotation of the
-    incoming gradients with the forward's cos/sin, in ``dq_dtype`` / ``dk_dtype`` (q's and k's dtypes; None:
-    the incoming gradient's); dk is None when ``dk_out`` is."""
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
-    dq = _rotate_reference(dq_out, cos, sin, rotary_dim, layout, True, dq_dtype)
-    dk = None if dk_out is None else _rotate_reference(dk_out, cos, sin, rotary_dim, layout, True, dk_dtype)
-    return dq, dk
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,28 +425,21 @@ def _triton_runs(q: torch.Tensor, *tensors: torch.Tensor | None, out_dtypes: tup
     return use_triton(q) and kernel_dtypes(*read, out_dtypes=out_dtypes)
 
 
-def _launch(
-    src_q: torch.Tensor,
-    src_k: torch.Tensor | None,
-    dst_q: torch.Tensor,
-    dst_k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    backward: bool,
-) -> None:
-    """The kernel over q's heads and k's (None or 0-element: q only), reading and writing through strides."""
+def _launch(src: tuple[torch.Tensor, torch.Tensor | None], dst: tuple, rotation: Rotation, backward: bool) -> None:
+    """The kernel over the heads of ``src`` = (q, k) (k None or 0-element: q only) into ``dst``, reading and writing
+    through strides."""
+    (src_q, src_k), (dst_q, dst_k) = src, dst
     batch, n_q_heads, seq_len, head_dim = src_q.shape
     has_k = _has_heads(src_k)
     n_k_heads = src_k.shape[1] if has_k else 0
-    config = _launch_config(head_dim, rotary_dim, n_q_heads, n_k_heads)
+    config = _launch_config(head_dim, rotation.rotary_dim, n_q_heads, n_k_heads)
     n_blocks = cdiv(n_q_heads, config["Q_BLOCK_HEADS"]) + cdiv(n_k_heads, config["K_BLOCK_HEADS"])
     n_programs = batch * seq_len * n_blocks
     if n_programs == 0 or head_dim == 0:
         return
     # without k, q stands in for its pointers and strides: the k branch never runs
     src_k, dst_k = (src_k, dst_k) if has_k else (src_q, dst_q)
+    cos, sin = rotation.cos, rotation.sin
     rope_kernel[(n_programs,)](
         src_q,
         src_k,
@@ -497,10 +457,10 @@ def _launch(
         n_q_heads,
         n_k_heads,
         head_dim,
-        rotary_dim,
+        rotation.rotary_dim,
         BACKWARD=backward,
-        IN_INTERLEAVED=_PAIRING[layout][0],
-        OUT_INTERLEAVED=_PAIRING[layout][1],
+        IN_INTERLEAVED=_PAIRING[rotation.layout][0],
+        OUT_INTERLEAVED=_PAIRING[rotation.layout][1],
         **config,
     )
 
@@ -519,48 +479,37 @@ def _new_out(t: torch.Tensor, dtype: torch.dtype | None, out: torch.Tensor | Non
     return out
 
 
-def rope_forward_triton(
+# the names of the result dtypes in the ops, per direction (errors name the argument that was wrong)
+_DTYPE_NAMES = {False: ("out_dtype", "out_dtype"), True: ("dq_dtype", "dk_dtype")}
+
+
+def rope_rotate(
     q: torch.Tensor,
     k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    out_dtype: torch.dtype | None = None,
+    rotation: Rotation,
+    dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
     *,
-    q_out: torch.Tensor | None = None,
-    k_out: torch.Tensor | None = None,
+    backward: bool = False,
+    impl: str = "auto",
+    out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel: (q_out, k_out) in ``out_dtype`` (None: q's / k's dtype), k_out None when k is.
-    ``q_out``/``k_out`` (q's / k's shape, any strides) let tests pre-fill the results with NaN; q and k are read
-    in place through their strides."""
-    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
-    q_out = _new_out(q, out_dtype, q_out)
-    k_out = None if k is None else _new_out(k, out_dtype, k_out)
-    _launch(q, k, q_out, k_out, cos, sin, rotary_dim, layout, backward=False)
-    return q_out, k_out
+    """Both ops' work: q and k rotated (``backward``: the incoming gradients dq_out and dk_out through the transposed
+    rotation), in fp32 (fp64 for fp64 inputs on the reference path), returned contiguous in ``dtypes`` (q's, k's;
+    None: the input's dtype). k None gives None, a 0-element k an empty result.
 
-
-def rope_backward_triton(
-    dq_out: torch.Tensor,
-    dk_out: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    dq_dtype: torch.dtype | None = None,
-    dk_dtype: torch.dtype | None = None,
-    *,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel: (dq, dk) in ``dq_dtype`` / ``dk_dtype`` (None: the incoming gradient's), dk
-    None when dk_out is; ``dq``/``dk`` as ``q_out``/``k_out``."""
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
-    dq = _new_out(dq_out, dq_dtype, dq)
-    dk = None if dk_out is None else _new_out(dk_out, dk_dtype, dk)
-    _launch(dq_out, dk_out, dq, dk, cos, sin, rotary_dim, layout, backward=True)
-    return dq, dk
+    ``impl``: ``"triton"`` launches the kernel, ``"reference"`` runs the plain-torch formulas (the test oracle),
+    ``"auto"`` picks as the ops do. ``out``: buffers for the kernel's results (q's / k's shape and result dtype, any
+    strides), so tests can pre-fill them with NaN; q and k are read in place through their strides."""
+    _check_inputs(q, k, rotation, zip(_DTYPE_NAMES[backward], dtypes, strict=True))
+    cos, sin = rotation.cos, rotation.sin
+    if not takes_triton(impl, impl == "auto" and _triton_runs(q, k, cos, sin, out_dtypes=dtypes)):
+        return tuple(
+            None if x is None else _rotate_reference(x, rotation, backward, dtype)
+            for x, dtype in zip((q, k), dtypes, strict=True)
+        )
+    results = tuple(None if x is None else _new_out(x, d, o) for x, d, o in zip((q, k), dtypes, out, strict=True))
+    _launch((q, k), results, rotation, backward)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -580,42 +529,39 @@ def rope_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out), contiguous, in ``out_dtype`` (None: q's / k's dtype); a 0-element k means "rotate q
     only" and gives a 0-element k_out."""
-    args = (q, k, cos, sin, rotary_dim, layout, out_dtype)
-    on_triton = _triton_runs(q, k, cos, sin, out_dtypes=(out_dtype,))
-    return dispatch(on_triton, rope_forward_triton, rope_reference_forward, *args)
+    return rope_rotate(q, k, Rotation(cos, sin, rotary_dim, layout), (out_dtype, out_dtype))
+
+
+def _fake_results(q, k, rotation: Rotation, dtypes, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, rotation, zip(_DTYPE_NAMES[backward], dtypes, strict=True))
+    return tuple(t.new_empty(t.shape, dtype=dtype or t.dtype) for t, dtype in zip((q, k), dtypes, strict=True))
 
 
 @rope_op.register_fake
 def _(q, k, cos, sin, rotary_dim, layout, out_dtype=None):
-    _check_inputs(q, k, cos, sin, rotary_dim, layout, out_dtype=out_dtype)
-    return q.new_empty(q.shape, dtype=out_dtype or q.dtype), k.new_empty(k.shape, dtype=out_dtype or k.dtype)
+    return _fake_results(q, k, Rotation(cos, sin, rotary_dim, layout), (out_dtype, out_dtype), backward=False)
 
 
-@torch.library.custom_op("fuser::rope_backward", mutates_args=())
-def rope_backward_op(
-    dq_out: torch.Tensor,
-    dk_out: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    layout: str,
-    dq_dtype: torch.dtype | None = None,
-    dk_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+# The backward op takes the forward's arguments, q and k replaced by their incoming gradients, and a result dtype
+# for each (q's and k's); its schema is written from the same pieces as the forward's (torch infers that one from
+# rope_op's signature).
+_ROTATION_SCHEMA = "Tensor cos, Tensor sin, SymInt rotary_dim, str layout"
+_BACKWARD_SCHEMA = (
+    f"(Tensor dq_out, Tensor dk_out, {_ROTATION_SCHEMA}, ScalarType? dq_dtype=None, ScalarType? dk_dtype=None)"
+    " -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("fuser::rope_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def rope_backward_op(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=None, dk_dtype=None):
     """(dq, dk), contiguous, in ``dq_dtype`` / ``dk_dtype`` (None: dq_out's / dk_out's dtype); a 0-element
     dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
-    args = (dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype, dk_dtype)
-    on_triton = _triton_runs(dq_out, dk_out, cos, sin, out_dtypes=(dq_dtype, dk_dtype))
-    return dispatch(on_triton, rope_backward_triton, rope_reference_backward, *args)
+    return rope_rotate(dq_out, dk_out, Rotation(cos, sin, rotary_dim, layout), (dq_dtype, dk_dtype), backward=True)
 
 
 @rope_backward_op.register_fake
 def _(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=None, dk_dtype=None):
-    _check_inputs(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=dq_dtype, dk_dtype=dk_dtype)
-    return (
-        dq_out.new_empty(dq_out.shape, dtype=dq_dtype or dq_out.dtype),
-        dk_out.new_empty(dk_out.shape, dtype=dk_dtype or dk_out.dtype),
-    )
+    return _fake_results(dq_out, dk_out, Rotation(cos, sin, rotary_dim, layout), (dq_dtype, dk_dtype), backward=True)
 
 
 def _setup_context(ctx, inputs, output):

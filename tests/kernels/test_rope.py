@@ -1,6 +1,6 @@
 """Kernel tests for the fused rotary embedding (``fuser/kernels/rope.py``): launchers, reference, custom ops.
 
-Oracle: the reference formulas (``rope_reference_forward/backward``) evaluated on fp64 copies of the inputs; the
+Oracle: the reference formulas (``rope_rotate(..., impl="reference")``) evaluated on fp64 copies of the inputs; the
 hand-written reference backward is itself checked against fp64 autograd of the rotation written the way models
 write it (Hugging Face's ``q * cos + rotate_half(q) * sin``, GLM's interleaved ``rotate_half`` with
 ``repeat_interleave``d cos/sin, DeepSeek-V3's pairs-to-halves permutation, Phi / GPT-NeoX partial rotary).
@@ -34,14 +34,29 @@ import torch
 
 import fuser.kernels.rope as rope_module
 from fuser.kernels._triton import HAS_TRITON, interpreting
-from fuser.kernels.rope import (
-    LAYOUTS,
-    rope,
-    rope_backward_triton,
-    rope_forward_triton,
-    rope_reference_backward,
-    rope_reference_forward,
-)
+from fuser.kernels.rope import LAYOUTS, Rotation, rope, rope_rotate
+
+
+# The op's single entry (``rope_rotate``) per direction and path, called as the tests below call it.
+def rope_reference_forward(q, k, cos, sin, rotary_dim, layout):
+    return rope_rotate(q, k, Rotation(cos, sin, rotary_dim, layout), impl="reference")
+
+
+def rope_reference_backward(dq_out, dk_out, cos, sin, rotary_dim, layout):
+    return rope_rotate(dq_out, dk_out, Rotation(cos, sin, rotary_dim, layout), backward=True, impl="reference")
+
+
+def rope_forward_triton(q, k, cos, sin, rotary_dim, layout, out_dtype=None, *, q_out=None, k_out=None):
+    rotation = Rotation(cos, sin, rotary_dim, layout)
+    return rope_rotate(q, k, rotation, (out_dtype, out_dtype), impl="triton", out=(q_out, k_out))
+
+
+def rope_backward_triton(
+    dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=None, dk_dtype=None, *, dq=None, dk=None
+):
+    rotation = Rotation(cos, sin, rotary_dim, layout)
+    return rope_rotate(dq_out, dk_out, rotation, (dq_dtype, dk_dtype), backward=True, impl="triton", out=(dq, dk))
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -606,11 +621,12 @@ def test_op_autograd_matches_fp64_model(model, rotary_fraction, gen, reference_p
 def test_op_computes_only_needed_grads(requires_grad, with_k, gen, reference_path, monkeypatch):
     calls = []
 
-    def spy(dq_out, dk_out, *args):
-        calls.append((dq_out.numel() > 0, dk_out.numel() > 0))
-        return rope_reference_backward(dq_out, dk_out, *args)
+    def spy(dq_out, dk_out, *args, **kwargs):
+        if kwargs.get("backward"):
+            calls.append((dq_out.numel() > 0, dk_out.numel() > 0))
+        return rope_rotate(dq_out, dk_out, *args, **kwargs)
 
-    monkeypatch.setattr(rope_module, "rope_reference_backward", spy)
+    monkeypatch.setattr(rope_module, "rope_rotate", spy)
     check_op_autograd("llama", 2, gen, requires_grad=requires_grad, with_k=with_k)
     # one backward, rotating only the gradients asked for (k's alone goes through q's slot)
     expected = {(True, False): [(True, False)], (False, True): [(True, False)], (False, False): []}
@@ -742,7 +758,7 @@ def test_op_mixed_dtypes_through_triton(q_dtype, cos_dtype, out_dtype, model, ge
     triton_on_cpu()
     launched = count_launches(monkeypatch)
     check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen, shape=(1, 4, 2, 2, 32))
-    assert launched == ["rope_forward_triton", "rope_backward_triton"]
+    assert launched == ["forward", "backward"]
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
@@ -871,15 +887,12 @@ def test_opcheck_through_triton(gen, triton_on_cpu):
 def count_launches(monkeypatch):
     launched = []
 
-    def counting(name, launcher):
-        def launch(*args, **kwargs):
-            launched.append(name)
-            return launcher(*args, **kwargs)
+    def launch(src, dst, rotation, backward):
+        launched.append("backward" if backward else "forward")
+        return real_launch(src, dst, rotation, backward)
 
-        return launch
-
-    for name in ("rope_forward_triton", "rope_backward_triton"):
-        monkeypatch.setattr(rope_module, name, counting(name, getattr(rope_module, name)))
+    real_launch = rope_module._launch
+    monkeypatch.setattr(rope_module, "_launch", launch)
     return launched
 
 
@@ -890,7 +903,7 @@ def test_op_through_triton_on_cpu(model, rotary_fraction, gen, monkeypatch, trit
     launched = count_launches(monkeypatch)
     check_op_autograd(model, rotary_fraction, gen, shape=(1, 4, 2, 2, 32))
     # a silent fall-back to the reference path must not pass
-    assert launched == ["rope_forward_triton", "rope_backward_triton"]
+    assert launched == ["forward", "backward"]
 
 
 @interpreter
@@ -902,7 +915,7 @@ def test_op_through_triton_partial_grads(requires_grad, with_k, gen, monkeypatch
     triton_on_cpu()
     launched = count_launches(monkeypatch)
     check_op_autograd("glm", 2, gen, requires_grad=requires_grad, with_k=with_k, shape=(1, 4, 2, 2, 32))
-    assert launched == ["rope_forward_triton", "rope_backward_triton"]
+    assert launched == ["forward", "backward"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def test_op_computes_from_x_wide_and_takes_the_gradient_through_x(shape, device):
     """``fuser::rms_norm(x, …, x_wide=)``: y is the norm of x_wide (rounded once), rstd x_wide's, and dx is the
     backward at x with that rstd. Reference in fp64, outputs checked against NaN pre-fills by construction."""
-    from fuser.kernels.rms_norm import rms_norm_reference_backward
+    from fuser.kernels.rms_norm import Norm, rms_norm_backward
 
     torch.manual_seed(0)
     wide = torch.randn(shape, device=device) * 3
@@ -150,7 +150,7 @@ def test_op_computes_from_x_wide_and_takes_the_gradient_through_x(shape, device)
     assert (y.double() - ref.double()).abs().max() <= 2**-7 * ref.double().abs().max()
     dy = torch.randn(shape, device=device).bfloat16()
     y.backward(dy)
-    dx_ref, dw_ref = rms_norm_reference_backward(dy, x.detach(), w.detach(), 1e-6, rstd=rstd)
+    dx_ref, dw_ref = rms_norm_backward(dy, x.detach(), Norm(w.detach(), 1e-6), rstd=rstd, impl="reference")
     assert x.grad is not None and w.grad is not None
     assert torch.allclose(x.grad.float(), dx_ref.float(), rtol=2e-2, atol=1e-2)
     assert torch.allclose(w.grad.float(), dw_ref.float(), rtol=2e-2, atol=1e-2)
@@ -188,7 +188,7 @@ def test_a_norm_right_after_the_projection_reads_the_fp32_sum():
 def test_the_gradient_goes_to_x_wide_in_fp32_when_it_wants_one(device):
     """x_wide requiring a gradient takes it, unrounded (fp32): what the adapters' gradients are then computed
     from; x, its rounding, gets none (autograd passes a cast's gradient through, so the total is the same)."""
-    from fuser.kernels.rms_norm import rms_norm_reference_backward
+    from fuser.kernels.rms_norm import Norm, rms_norm_backward
 
     torch.manual_seed(1)
     wide = (torch.randn(512, 4096, device=device) * 2).requires_grad_()
@@ -198,7 +198,7 @@ def test_the_gradient_goes_to_x_wide_in_fp32_when_it_wants_one(device):
     dy = torch.randn(512, 4096, device=device).bfloat16()
     y.backward(dy)
     assert x.grad is None and wide.grad is not None and wide.grad.dtype == torch.float32
-    dx_ref, _ = rms_norm_reference_backward(dy, x.detach(), w, 1e-6, rstd=rstd, dx_dtype=torch.float32)
+    dx_ref, _ = rms_norm_backward(dy, x.detach(), Norm(w, 1e-6), dx_dtype=torch.float32, rstd=rstd, impl="reference")
     assert torch.allclose(wide.grad, dx_ref, rtol=1e-4, atol=1e-5)
     # and it is not the bf16 gradient upcast: the fp32 one carries bits a bf16 one cannot
     assert not torch.equal(wide.grad, wide.grad.bfloat16().float())
@@ -255,8 +255,8 @@ def test_add_rms_norm_kernels_through_the_interpreter(monkeypatch, triton_on_cpu
     import fuser.kernels.rms_norm as R
 
     launched = []
-    for name in ("rms_norm_forward_triton", "rms_norm_backward_triton"):
+    for name in ("_launch_forward", "_launch_backward"):
         real = getattr(R, name)
-        monkeypatch.setattr(R, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+        monkeypatch.setattr(R, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
     _check_add_rms_norm(*_add_norm_case("cpu", torch.float16))
-    assert launched == ["rms_norm_forward_triton", "rms_norm_backward_triton"], launched
+    assert launched == ["_launch_forward", "_launch_backward"], launched
