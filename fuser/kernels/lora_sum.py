@@ -122,9 +122,9 @@ def lora_sum_grads(
     da, dw = a.new_empty(0), weight.new_empty(0)
     if triton_path(g, a, weight, base_dtypes=FLOAT_DTYPES, allow_triton=allow_triton):
         if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
-            da = U._forward_triton(g, weight.t()).mul_(scale)
+            da = U._forward_triton(g, weight.t(), scale)
         if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
-            dw = U._dw_triton(a, g).t().mul(scale).contiguous()
+            dw = U._dw_triton(a, g, scale, transposed=True)
         return da, dw
     d = g.to(weight.dtype) * scale  # eager: the cast's backward, then the product's
     if need_a:

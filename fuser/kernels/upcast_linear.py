@@ -58,11 +58,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 if HAS_TRITON:
 
     @triton.jit
-    def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_in, n_out, x_row_stride, w_stride_out, w_stride_in,
-                                 k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_P: tl.constexpr,
-                                 PRECISION: tl.constexpr):  # fmt: skip
-        # y[split, rows, :] = x[rows, ks of the split] @ W[:, ks of the split]ᵀ with fp32 sums, x read in its own
-        # dtype (W [n_out, n_in] at any strides); one split (the whole of n_in) unless the caller splits it
+    def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, scale, n_rows, n_in, n_out, x_row_stride, w_stride_out,
+                                 w_stride_in, k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 OUT_P: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        # y[split, rows, :] = scale · x[rows, ks of the split] @ W[:, ks of the split]ᵀ with fp32 sums, x read in
+        # its own dtype (W [n_out, n_in] at any strides); one split (the whole of n_in) unless the caller splits it
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(1)
         outs = tl.arange(0, OUT_P)
@@ -78,7 +78,7 @@ if HAS_TRITON:
                         mask=k_ok[:, None] & (outs[None, :] < n_out), other=0.0)  # fmt: skip
             acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
         y_ptr += split.to(tl.int64) * n_rows * n_out
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc,
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc * scale,
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
 
     @triton.jit
@@ -116,10 +116,10 @@ if HAS_TRITON:
                 tl.store(wide_ptr + offsets, dx, mask=mask)
 
     @triton.jit
-    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, n_rows, n_in, n_out, x_row_stride, rows_per_split,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
+    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, scale, n_rows, n_in, n_out, x_row_stride,
+                                rows_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
                                 PRECISION: tl.constexpr):  # fmt: skip
-        # partial[split, :, cols] = dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums
+        # partial[split, :, cols] = scale · dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         outs = tl.arange(0, OUT_P)
@@ -134,7 +134,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
             acc += tl.dot(dy_t, x.to(tl.float32), input_precision=PRECISION)
-        tl.store(partial_ptr + split.to(tl.int64) * OUT_P * n_in + outs[:, None] * n_in + cols[None, :], acc,
+        tl.store(partial_ptr + split.to(tl.int64) * OUT_P * n_in + outs[:, None] * n_in + cols[None, :], acc * scale,
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
@@ -206,8 +206,9 @@ def _out_p(n_out: int) -> int:
     return max(16, next_power_of_2(n_out))
 
 
-def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weightᵀ`` in fp32 (``weight`` [out, in], ≤ 64 rows, any strides), ``x`` read in its own dtype."""
+def _forward_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · (x @ weightᵀ)`` in fp32 (``weight`` [out, in], ≤ 64 rows, any strides), ``x`` read in its own
+    dtype; the scale applied to each split's partial product, before their sum."""
     x2 = as_rows(x)
     n_rows, n_in = x2.shape
     n_out = weight.shape[0]
@@ -218,8 +219,8 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = _alloc(splits, n_rows, n_out, dtype=torch.float32, device=x.device)
     if n_rows:
         upcast_linear_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]), splits)](
-            x2, weight, y, n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1), k_per_split,
-            OUT_P=_out_p(n_out), **cfg,
+            x2, weight, y, float(scale), n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1),
+            k_per_split, OUT_P=_out_p(n_out), **cfg,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)
     return y.view(*x.shape[:-1], n_out)
@@ -255,7 +256,9 @@ def _dx_triton(
     return dx.view(*dy.shape[:-1], n_in)
 
 
-def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _dw_triton(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, transposed: bool = False) -> torch.Tensor:
+    """``scale · (dyᵀ @ x)`` in fp32, ``[dy's columns, x's columns]`` (``transposed``: its transpose, contiguous),
+    the scale applied to each row split's partial sum, before their (fixed-order) sum."""
     dy2, x2 = dy.reshape(-1, dy.shape[-1]).contiguous(), as_rows(x)
     n_rows, n_out = dy2.shape
     n_in = x2.shape[1]
@@ -273,11 +276,15 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
         upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
-            dy2, x2, partial, n_rows, n_in, n_out, x2.stride(0), rows_per_split, OUT_P=out_p, **cfg
+            dy2, x2, partial, float(scale), n_rows, n_in, n_out, x2.stride(0), rows_per_split, OUT_P=out_p, **cfg
         )
     else:
         partial.zero_()
-    return partial[:, :n_out].sum(0)
+    if not transposed:
+        return partial[:, :n_out].sum(0)
+    out = _alloc(n_in, n_out, dtype=torch.float32, device=x.device)
+    torch.sum(partial[:, :n_out], 0, out=out.t())  # the sum written through the transposed view: one kernel
+    return out
 
 
 def _upcast_linear(
