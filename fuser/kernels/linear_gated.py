@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuser.kernels.gated_activation import gated_activation_forward
+from fuser.kernels.gated_activation import Lora, gated_activation_forward
 
 
 @torch.library.custom_op("fuser::linear_gated", mutates_args=())
@@ -63,7 +63,7 @@ def linear_gated_grads(
     dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1]) if need_x else empty
     dw, db = weight.new_empty(0), empty
     if need_w:
-        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
         dw = dy2.t() @ x.reshape(-1, x.shape[-1])
     if need_b:
         db = dy2.sum(0)

@@ -43,7 +43,7 @@ from fuser.kernels._triton import (
     triton,
     use_triton,
 )
-from fuser.kernels.gated_activation import gated_activation_forward
+from fuser.kernels.gated_activation import Lora, gated_activation_forward
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
 _alloc = torch.empty  # the Triton path's output buffers (tests fill them with NaN first)
@@ -435,12 +435,12 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
     n_rows = gate2.shape[0]
     step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
     if n_rows <= step:
-        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
         return upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
     dw = None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        x = gated_activation_forward(gate2[rows], up2[rows], None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
         part = upcast_linear_grads(dy2[rows], x, weight, False, True, allow_triton)[1]
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
