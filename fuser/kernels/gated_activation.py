@@ -55,6 +55,34 @@ _SQRT_HALF = math.sqrt(0.5)  # 1/√2
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)  # φ(0)
 
 
+@dataclass(frozen=True)
+class Lora:
+    """The forward's LoRA terms, as its functions pass them around: ``g = gate + gate_scale · gate_lora`` and
+    ``u = up + up_scale · up_lora`` (a term ``None``: none on that side, its scale unused)."""
+
+    gate_lora: torch.Tensor | None = None
+    up_lora: torch.Tensor | None = None
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoraGrads:
+    """How the backward forms the LoRA terms' gradients ``scale · dg`` / ``scale · du`` (when asked for): the
+    forward's scales, and each term's dtype (``None``: g's dtype)."""
+
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+    gate_dtype: torch.dtype | None = None
+    up_dtype: torch.dtype | None = None
+
+
+NO_LORA, NO_LORA_GRADS = Lora(), LoraGrads()
+# the backward's four gradients (dgate, dup, dgate_lora, dup_lora): which are asked for
+Wanted = tuple[bool, bool, bool, bool]
+BASE_GRADS: Wanted = (True, True, False, False)
+
+
 def _check_activation(activation: str) -> None:
     if activation not in _ACTIVATION_CODE:
         raise ValueError(
@@ -62,16 +90,10 @@ def _check_activation(activation: str) -> None:
         )
 
 
-def _check_inputs(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    gate_lora: torch.Tensor | None,
-    up_lora: torch.Tensor | None,
-    activation: str,
-) -> None:
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor, lora: Lora, activation: str) -> None:
     _check_activation(activation)
     tt.check_floating("gated_activation", gate=gate)  # F.silu / F.gelu raise NotImplementedError for integers
-    named = [("gate", gate), ("up", up), ("gate_lora", gate_lora), ("up_lora", up_lora)]
+    named = [("gate", gate), ("up", up), ("gate_lora", lora.gate_lora), ("up_lora", lora.up_lora)]
     for name, t in named[1:]:
         if t is None:
             continue
@@ -101,34 +123,6 @@ def _check_packed(gate_up: torch.Tensor, gate_up_lora: torch.Tensor | None, acti
             f"fuser: gated_activation_packed expects gate_up_lora of gate_up's shape {tuple(gate_up.shape)} and "
             f"dtype {gate_up.dtype}, got {tuple(gate_up_lora.shape)} {gate_up_lora.dtype}"
         )
-
-
-@dataclass(frozen=True)
-class Lora:
-    """The forward's LoRA terms, as its functions pass them around: ``g = gate + gate_scale · gate_lora`` and
-    ``u = up + up_scale · up_lora`` (a term ``None``: none on that side, its scale unused)."""
-
-    gate_lora: torch.Tensor | None = None
-    up_lora: torch.Tensor | None = None
-    gate_scale: float = 1.0
-    up_scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class LoraGrads:
-    """How the backward forms the LoRA terms' gradients ``scale · dg`` / ``scale · du`` (when asked for): the
-    forward's scales, and each term's dtype (``None``: g's dtype)."""
-
-    gate_scale: float = 1.0
-    up_scale: float = 1.0
-    gate_dtype: torch.dtype | None = None
-    up_dtype: torch.dtype | None = None
-
-
-NO_LORA, NO_LORA_GRADS = Lora(), LoraGrads()
-# the backward's four gradients (dgate, dup, dgate_lora, dup_lora): which are asked for
-Wanted = tuple[bool, bool, bool, bool]
-BASE_GRADS: Wanted = (True, True, False, False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,6 +314,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # the forward kernel's opening (the tile, fp32 loads of the first operands), here of the backward's operands
         rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         dout = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + rows * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -477,7 +472,7 @@ def gated_activation_forward(
     if not tt.takes_triton(impl, impl == "auto" and tt.triton_runs(gate)):
         y, g, u = _reference_forward(gate, up, activation, lora)
         return _into(out, y), _into(gate_sum, g), _into(up_sum, u)
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
+    _check_inputs(gate, up, lora, activation)
     out = out if out is not None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     gate_sum, up_sum = _sum_buffer(gate, gate_lora, gate_sum), _sum_buffer(up, up_lora, up_sum)
     _launch_forward(
@@ -514,7 +509,7 @@ def gated_activation_backward(
     if not tt.takes_triton(impl, impl == "auto" and tt.triton_runs(g)):
         grads = _reference_backward(dout, g, u, activation, wanted, lora)
         return tuple(_into(b, t) for b, t in zip(out, grads, strict=True))
-    _check_inputs(g, u, None, None, activation)
+    _check_inputs(g, u, NO_LORA, activation)
     dtypes = (g.dtype, g.dtype, lora.gate_dtype or g.dtype, lora.up_dtype or g.dtype)
     grads = [
         (b if b is not None else torch.empty(g.shape, dtype=d, device=g.device)) if w else None
@@ -611,13 +606,14 @@ def gated_activation_op(
         _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
         gate_wide = gate if gate_wide is None else gate_wide
         up_wide = up if up_wide is None else up_wide
-        _check_inputs(gate_wide, up_wide, None, None, activation)
+        _check_inputs(gate_wide, up_wide, NO_LORA, activation)
         # the product from the wide sums, rounded once to gate's dtype
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         gated_activation_forward(gate_wide, up_wide, activation, out=out)
         return out, gate.new_empty(0), up.new_empty(0)
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
-    out, g, u = gated_activation_forward(gate, up, activation, Lora(gate_lora, up_lora, gate_scale, up_scale))
+    lora = Lora(gate_lora, up_lora, gate_scale, up_scale)
+    _check_inputs(gate, up, lora, activation)
+    out, g, u = gated_activation_forward(gate, up, activation, lora)
     return out, tt.or_empty(g, gate), tt.or_empty(u, up)
 
 
@@ -634,7 +630,7 @@ def _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide) -> None:
 
 @gated_activation_op.register_fake
 def _(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation, gate_wide=None, up_wide=None):
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
+    _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     if gate_wide is not None or up_wide is not None:
         _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
     return (
@@ -814,7 +810,7 @@ def gated_activation(
     ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``; the LoRA terms are optional. gate, up and the
     LoRA terms share one shape and dtype; the maths runs in fp32 and the result has the inputs' dtype.
     """
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
+    _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     return torch.ops.fuser.gated_activation(
         gate, up, gate_lora, up_lora, float(gate_scale), float(up_scale), activation
     )[0]
