@@ -11,10 +11,9 @@ the Triton kernels run through Triton's interpreter, which is how CI exercises t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
 import torch
 
@@ -140,21 +139,6 @@ def takes_triton(impl: str, on_triton: bool) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"fuser: impl must be 'auto', 'triton' or 'reference', got {impl!r}")
     return impl == "triton" or (impl == "auto" and on_triton)
-
-
-def contiguous(result: torch.Tensor | tuple[torch.Tensor | None, ...]) -> Any:
-    """A reference path's tensor results (one tensor, or a tuple with ``None`` for what was not computed) made
-    contiguous, as the kernels write theirs."""
-    if isinstance(result, torch.Tensor):
-        return result.contiguous()
-    return tuple(t.contiguous() if t is not None else None for t in result)
-
-
-def dispatch(on_triton: bool, triton_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """An op's two paths, called alike: ``triton_fn(*args, **kwargs)`` where its kernels run (``on_triton``), else
-    ``reference_fn(*args, **kwargs)`` with its results made :func:`contiguous`. Only gated_activation still has
-    separate reference and Triton functions; rope and rms_norm have one entry per direction (:func:`takes_triton`)."""
-    return triton_fn(*args, **kwargs) if on_triton else contiguous(reference_fn(*args, **kwargs))
 
 
 def or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

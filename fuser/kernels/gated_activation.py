@@ -37,24 +37,13 @@ lost ~4.5% whatever the tile shape (1×1024 to 4×2048, 4 to 16 warps: all withi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
-from fuser.kernels._triton import (
-    HAS_TRITON,
-    as_rows,
-    cdiv,
-    check_floating,
-    compute_dtype,
-    dispatch,
-    next_power_of_2,
-    or_empty,
-    out_rows,
-    tl,
-    triton,
-    triton_runs,
-)
+from fuser.kernels import _triton as tt
+from fuser.kernels._triton import HAS_TRITON, tl, triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -66,6 +55,34 @@ _SQRT_HALF = math.sqrt(0.5)  # 1/√2
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)  # φ(0)
 
 
+@dataclass(frozen=True)
+class Lora:
+    """The forward's LoRA terms, as its functions pass them around: ``g = gate + gate_scale · gate_lora`` and
+    ``u = up + up_scale · up_lora`` (a term ``None``: none on that side, its scale unused)."""
+
+    gate_lora: torch.Tensor | None = None
+    up_lora: torch.Tensor | None = None
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoraGrads:
+    """How the backward forms the LoRA terms' gradients ``scale · dg`` / ``scale · du`` (when asked for): the
+    forward's scales, and each term's dtype (``None``: g's dtype)."""
+
+    gate_scale: float = 1.0
+    up_scale: float = 1.0
+    gate_dtype: torch.dtype | None = None
+    up_dtype: torch.dtype | None = None
+
+
+NO_LORA, NO_LORA_GRADS = Lora(), LoraGrads()
+# the backward's four gradients (dgate, dup, dgate_lora, dup_lora): which are asked for
+Wanted = tuple[bool, bool, bool, bool]
+BASE_GRADS: Wanted = (True, True, False, False)
+
+
 def _check_activation(activation: str) -> None:
     if activation not in _ACTIVATION_CODE:
         raise ValueError(
@@ -73,16 +90,10 @@ def _check_activation(activation: str) -> None:
         )
 
 
-def _check_inputs(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    gate_lora: torch.Tensor | None,
-    up_lora: torch.Tensor | None,
-    activation: str,
-) -> None:
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor, lora: Lora, activation: str) -> None:
     _check_activation(activation)
-    check_floating("gated_activation", gate=gate)  # F.silu / F.gelu raise NotImplementedError for integers
-    named = [("gate", gate), ("up", up), ("gate_lora", gate_lora), ("up_lora", up_lora)]
+    tt.check_floating("gated_activation", gate=gate)  # F.silu / F.gelu raise NotImplementedError for integers
+    named = [("gate", gate), ("up", up), ("gate_lora", lora.gate_lora), ("up_lora", lora.up_lora)]
     for name, t in named[1:]:
         if t is None:
             continue
@@ -101,7 +112,7 @@ def _check_inputs(
 
 def _check_packed(gate_up: torch.Tensor, gate_up_lora: torch.Tensor | None, activation: str) -> None:
     _check_activation(activation)
-    check_floating("gated_activation_packed", gate_up=gate_up)
+    tt.check_floating("gated_activation_packed", gate_up=gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2 != 0:
         raise ValueError(
             "fuser: gated_activation_packed expects gate_up with an even last dim (gate and up halves), "
@@ -133,34 +144,6 @@ def _reference_activation_and_grad(g: torch.Tensor, activation: str) -> tuple[to
     return g * cdf, cdf + g * (torch.exp(-0.5 * g * g) * _INV_SQRT_2PI)
 
 
-def _reference_sum(base: torch.Tensor, lora: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-    """base + scale · lora in the compute dtype, rounded to the input dtype (None without a LoRA term)."""
-    if lora is None:
-        return None
-    return _reference_wide(base, lora, scale, compute_dtype(base)).to(base.dtype)
-
-
-def gated_activation_reference_forward(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    gate_lora: torch.Tensor | None = None,
-    up_lora: torch.Tensor | None = None,
-    gate_scale: float = 1.0,
-    up_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(out, g, u) in the inputs' dtype; g / u are the LoRA sums (None without the LoRA term)."""
-    compute = compute_dtype(gate)
-    # the product is computed from the LoRA sums before their rounding (as Inductor computes peft's
-    # ``(base + lora * s).to(bf16)`` fused into its consumer: a LoRA term below half an ulp of the base would
-    # otherwise vanish); the rounded sums are what backward saves
-    g_wide = _reference_wide(gate, gate_lora, gate_scale, compute)
-    u_wide = _reference_wide(up, up_lora, up_scale, compute)
-    act, _ = _reference_activation_and_grad(g_wide, activation)
-    out = (act * u_wide).to(gate.dtype)
-    return out, None if gate_lora is None else g_wide.to(gate.dtype), None if up_lora is None else u_wide.to(up.dtype)
-
-
 def _reference_wide(base: torch.Tensor, lora: torch.Tensor | None, scale: float, compute: torch.dtype):
     """base + scale · lora in the compute dtype, not rounded (base alone without a LoRA term)."""
     if lora is None:
@@ -168,92 +151,51 @@ def _reference_wide(base: torch.Tensor, lora: torch.Tensor | None, scale: float,
     return base.to(compute) + scale * lora.to(compute)
 
 
-def gated_activation_reference_backward(
-    dout: torch.Tensor,
-    g: torch.Tensor,
-    u: torch.Tensor,
-    activation: str,
-    gate_scale: float = 1.0,
-    up_scale: float = 1.0,
-    compute_dgate: bool = True,
-    compute_dup: bool = True,
-    compute_dgate_lora: bool = False,
-    compute_dup_lora: bool = False,
-    gate_lora_dtype: torch.dtype | None = None,
-    up_lora_dtype: torch.dtype | None = None,
+def _reference_forward(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, lora: Lora
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(out, g, u) in the inputs' dtype; g / u are the LoRA sums (None without the LoRA term)."""
+    compute = tt.compute_dtype(gate)
+    # the product is computed from the LoRA sums before their rounding (as Inductor computes peft's
+    # ``(base + lora * s).to(bf16)`` fused into its consumer: a LoRA term below half an ulp of the base would
+    # otherwise vanish); the rounded sums are what backward saves
+    g_wide = _reference_wide(gate, lora.gate_lora, lora.gate_scale, compute)
+    u_wide = _reference_wide(up, lora.up_lora, lora.up_scale, compute)
+    act, _ = _reference_activation_and_grad(g_wide, activation)
+    out = (act * u_wide).to(gate.dtype)
+    g = None if lora.gate_lora is None else g_wide.to(gate.dtype)
+    return out, g, None if lora.up_lora is None else u_wide.to(up.dtype)
+
+
+def _reference_backward(
+    dout: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str, wanted: Wanted, lora: LoraGrads
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The hand-written backward (not autograd of the forward): (dgate, dup, dgate_lora, dup_lora), or None where
-    not asked for; the LoRA gradients in ``*_lora_dtype`` (default g's dtype), the others in g's dtype. ``g``
-    and ``u`` are what the forward saved (the sums under LoRA)."""
-    compute = compute_dtype(g)
+    not ``wanted``; the LoRA gradients in ``lora``'s dtypes (default g's dtype), the others in g's dtype. ``g`` and
+    ``u`` are what the forward saved (the sums under LoRA)."""
+    compute_dgate, compute_dup, compute_dgate_lora, compute_dup_lora = wanted
+    compute = tt.compute_dtype(g)
     gc, uc, dc = g.to(compute), u.to(compute), dout.to(compute)
     act, dact = _reference_activation_and_grad(gc, activation)
     dgate = dup = dgate_lora = dup_lora = None
     if compute_dgate or compute_dgate_lora:
         dg = dc * uc * dact
         dgate = dg.to(g.dtype) if compute_dgate else None
-        dgate_lora = (gate_scale * dg).to(gate_lora_dtype or g.dtype) if compute_dgate_lora else None
+        dgate_lora = (lora.gate_scale * dg).to(lora.gate_dtype or g.dtype) if compute_dgate_lora else None
     if compute_dup or compute_dup_lora:
         du = dc * act
         dup = du.to(g.dtype) if compute_dup else None
-        dup_lora = (up_scale * du).to(up_lora_dtype or g.dtype) if compute_dup_lora else None
+        dup_lora = (lora.up_scale * du).to(lora.up_dtype or g.dtype) if compute_dup_lora else None
     return dgate, dup, dgate_lora, dup_lora
 
 
-def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) = gate_up.chunk(2, -1) of a packed ``[..., 2I]`` tensor or its ``[rows, 2I]`` row view: two views,
-    no copy."""
+def _halves(gate_up: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gate, up) = gate_up.chunk(2, -1) of a packed ``[..., 2I]`` tensor: two views, no copy; (None, None) for
+    None."""
+    if gate_up is None:
+        return None, None
     n_cols = gate_up.shape[-1] // 2
     return gate_up[..., :n_cols], gate_up[..., n_cols:]
-
-
-def gated_activation_packed_reference_forward(
-    gate_up: torch.Tensor,
-    activation: str,
-    gate_up_lora: torch.Tensor | None = None,
-    scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, gate_up_sum or None): the unpacked reference on the two halves."""
-    gate_up_sum = _reference_sum(gate_up, gate_up_lora, scale)
-    loras = _halves(gate_up_lora) if gate_up_lora is not None else (None, None)
-    # the product from the unrounded sums, as the unpacked op computes it
-    out, _, _ = gated_activation_reference_forward(*_halves(gate_up), activation, *loras, scale, scale)
-    return out, gate_up_sum
-
-
-def gated_activation_packed_reference_backward(
-    dout: torch.Tensor,
-    gate_up: torch.Tensor,
-    activation: str,
-    scale: float = 1.0,
-    compute_dgate_up: bool = True,
-    compute_dgate_up_lora: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(d gate_up, d gate_up_lora) as packed ``[..., 2I]`` tensors, or None where not asked for."""
-    g, u = _halves(gate_up)
-    dgate, dup, dgate_lora, dup_lora = gated_activation_reference_backward(
-        dout,
-        g,
-        u,
-        activation,
-        scale,
-        scale,
-        compute_dgate_up,
-        compute_dgate_up,
-        compute_dgate_up_lora,
-        compute_dgate_up_lora,
-    )
-    grads = []
-    for d_first, d_second in ((dgate, dup), (dgate_lora, dup_lora)):
-        packed = None
-        if d_first is not None:
-            # write the halves into one packed tensor (the reference's stand-in for the kernel's strided stores)
-            packed = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-            first, second = _halves(packed)
-            first.copy_(d_first)
-            second.copy_(d_second)
-        grads.append(packed)
-    return grads[0], grads[1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -372,6 +314,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # the forward kernel's opening (the tile, fp32 loads of the first operands), here of the backward's operands
         rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         dout = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + rows * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -399,7 +342,7 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
     (``benchmarks/tune_gated_activation.py``, bf16, 8192–16384 rows, I 14336–28672): within 0.3% of the best of
     11 tile shapes in every pass, equal to Inductor's kernels; the former 4096-element tiles (16 per thread) were
     as fast for SwiGLU but 5–11% slower in GeGLU's backward (register pressure of the longer formula)."""
-    block_n = min(next_power_of_2(n_cols), 1024)
+    block_n = min(tt.next_power_of_2(n_cols), 1024)
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, 8
 
@@ -408,7 +351,7 @@ def _launch_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], dict[str, int]]:
     """Both kernels' launch over ``[n_rows, n_cols]``: the 1-D grid of tiles (column blocks fastest, as ``_tile``
     numbers them) and the tile sizes and warps of :func:`_launch_config`, as the kernels' keyword arguments."""
     block_m, block_n, num_warps = _launch_config(n_cols)
-    grid = (cdiv(n_rows, block_m) * cdiv(n_cols, block_n),)
+    grid = (tt.cdiv(n_rows, block_m) * tt.cdiv(n_cols, block_n),)
     return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}
 
 
@@ -485,133 +428,156 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
     )
 
 
-def _new_empty(t: torch.Tensor, shape=None) -> torch.Tensor:
-    return torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device=t.device)
+# ---------------------------------------------------------------------------------------------------------
+# One entry per direction: the Triton kernels or the plain-torch reference (used on CPU, and the test oracle);
+# the packed form passes its halves to the same entries
+# ---------------------------------------------------------------------------------------------------------
 
 
-def gated_activation_forward_triton(
+def _into(buffer: torch.Tensor | None, result: torch.Tensor | None) -> torch.Tensor | None:
+    """A reference result written into its buffer where one is given, else made contiguous, as the kernels write
+    theirs (None stays None)."""
+    if result is None:
+        return None
+    return buffer.copy_(result) if buffer is not None else result.contiguous()
+
+
+def _sum_buffer(base: torch.Tensor, lora: torch.Tensor | None, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """Where the kernel writes a LoRA sum: ``buffer``, or a new one of base's shape and dtype; None without the LoRA
+    term (nothing is written)."""
+    if lora is None:
+        return None
+    return buffer if buffer is not None else torch.empty(base.shape, dtype=base.dtype, device=base.device)
+
+
+def gated_activation_forward(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
-    gate_lora: torch.Tensor | None = None,
-    up_lora: torch.Tensor | None = None,
-    gate_scale: float = 1.0,
-    up_scale: float = 1.0,
+    lora: Lora = NO_LORA,
+    *,
+    impl: str = "auto",
     out: torch.Tensor | None = None,
     gate_sum: torch.Tensor | None = None,
     up_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the forward kernel: (out, g or None, u or None). ``out`` / ``gate_sum`` / ``up_sum`` (gate's shape,
-    rows viewable with unit last stride) let tests pre-fill the results with NaN; the sums are written (and
-    allocated when not given) only for the LoRA terms that are present."""
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
-    out = out if out is not None else _new_empty(gate)
-    if gate_lora is not None and gate_sum is None:
-        gate_sum = _new_empty(gate)
-    if up_lora is not None and up_sum is None:
-        up_sum = _new_empty(up)
-    gate_sum = gate_sum if gate_lora is not None else None
-    up_sum = up_sum if up_lora is not None else None
+    """(out, g, u): ``act(g) · u``, and the LoRA sums g / u rounded to the inputs' dtype (what backward saves;
+    None without that LoRA term). ``out`` / ``gate_sum`` / ``up_sum`` (gate's shape, rows viewable with unit last
+    stride) receive the results where given: tests pre-fill them with NaN, the packed form passes the halves of one
+    packed tensor. ``out`` may have another dtype than gate's: the op's wide path passes fp32 sums and a buffer in
+    the narrow dtype, into which the product is rounded once. ``impl``: ``"triton"``, ``"reference"``, or
+    ``"auto"`` (the kernel where Triton runs for gate). What ``fuser::gated_activation`` computes, and what the down
+    projections' backwards (``fuser::linear_gated``, ``fuser::upcast_linear_gated``) recompute the product with."""
+    gate_lora, up_lora = lora.gate_lora, lora.up_lora
+    if not tt.takes_triton(impl, impl == "auto" and tt.triton_runs(gate)):
+        y, g, u = _reference_forward(gate, up, activation, lora)
+        return _into(out, y), _into(gate_sum, g), _into(up_sum, u)
+    _check_inputs(gate, up, lora, activation)
+    out = out if out is not None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    gate_sum, up_sum = _sum_buffer(gate, gate_lora, gate_sum), _sum_buffer(up, up_lora, up_sum)
     _launch_forward(
-        as_rows(gate),
-        as_rows(up),
-        as_rows(gate_lora) if gate_lora is not None else None,
-        as_rows(up_lora) if up_lora is not None else None,
-        out_rows(out),
-        out_rows(gate_sum) if gate_sum is not None else None,
-        out_rows(up_sum) if up_sum is not None else None,
-        gate_scale,
-        up_scale,
+        tt.as_rows(gate),
+        tt.as_rows(up),
+        tt.as_rows(gate_lora) if gate_lora is not None else None,
+        tt.as_rows(up_lora) if up_lora is not None else None,
+        tt.out_rows(out),
+        tt.out_rows(gate_sum) if gate_sum is not None else None,
+        tt.out_rows(up_sum) if up_sum is not None else None,
+        lora.gate_scale,
+        lora.up_scale,
         activation,
     )
     return out, gate_sum, up_sum
 
 
-def gated_activation_backward_triton(
+def gated_activation_backward(
     dout: torch.Tensor,
     g: torch.Tensor,
     u: torch.Tensor,
     activation: str,
-    gate_scale: float = 1.0,
-    up_scale: float = 1.0,
-    compute_dgate: bool = True,
-    compute_dup: bool = True,
-    compute_dgate_lora: bool = False,
-    compute_dup_lora: bool = False,
-    dgate_out: torch.Tensor | None = None,
-    dup_out: torch.Tensor | None = None,
-    dgate_lora_out: torch.Tensor | None = None,
-    dup_lora_out: torch.Tensor | None = None,
-    gate_lora_dtype: torch.dtype | None = None,
-    up_lora_dtype: torch.dtype | None = None,
+    wanted: Wanted = BASE_GRADS,
+    lora: LoraGrads = NO_LORA_GRADS,
+    *,
+    impl: str = "auto",
+    out: tuple[torch.Tensor | None, ...] = (None,) * 4,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel: (dgate, dup, dgate_lora, dup_lora), None where not asked for. The ``*_out``
-    buffers (g's shape) let tests pre-fill the results with NaN; LoRA gradients come in ``*_lora_dtype``."""
-    _check_inputs(g, u, None, None, activation)
-    wanted = (compute_dgate, compute_dup, compute_dgate_lora, compute_dup_lora)
-    buffers = (dgate_out, dup_out, dgate_lora_out, dup_lora_out)
-    dtypes = (g.dtype, g.dtype, gate_lora_dtype or g.dtype, up_lora_dtype or g.dtype)
+    """(dgate, dup, dgate_lora, dup_lora), each None where ``wanted`` does not ask for it; dgate and dup in g's
+    dtype, the LoRA gradients in ``lora``'s dtypes. ``g`` and ``u`` are what the forward saved (the sums under
+    LoRA). ``out`` (four buffers or None, g's shape) receive the gradients where given: tests pre-fill them with
+    NaN, the in-place op passes g and u themselves (each element is read before it is written). ``impl`` as for
+    :func:`gated_activation_forward`."""
+    if not tt.takes_triton(impl, impl == "auto" and tt.triton_runs(g)):
+        grads = _reference_backward(dout, g, u, activation, wanted, lora)
+        return tuple(_into(b, t) for b, t in zip(out, grads, strict=True))
+    _check_inputs(g, u, NO_LORA, activation)
+    dtypes = (g.dtype, g.dtype, lora.gate_dtype or g.dtype, lora.up_dtype or g.dtype)
     grads = [
         (b if b is not None else torch.empty(g.shape, dtype=d, device=g.device)) if w else None
-        for w, b, d in zip(wanted, buffers, dtypes, strict=True)
+        for w, b, d in zip(wanted, out, dtypes, strict=True)
     ]
     _launch_backward(
-        as_rows(dout),
-        as_rows(g),
-        as_rows(u),
-        *[out_rows(t) if t is not None else None for t in grads],
-        gate_scale,
-        up_scale,
+        tt.as_rows(dout),
+        tt.as_rows(g),
+        tt.as_rows(u),
+        *[tt.out_rows(t) if t is not None else None for t in grads],
+        lora.gate_scale,
+        lora.up_scale,
         activation,
     )
     return grads[0], grads[1], grads[2], grads[3]
 
 
-def gated_activation_packed_forward_triton(
+def gated_activation_packed_forward(
     gate_up: torch.Tensor,
     activation: str,
     gate_up_lora: torch.Tensor | None = None,
     scale: float = 1.0,
+    *,
+    impl: str = "auto",
     out: torch.Tensor | None = None,
     gate_up_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel on the two halves of ``gate_up``: (out ``[..., I]``, gate_up_sum or None)."""
-    _check_packed(gate_up, gate_up_lora, activation)
-    n_cols = gate_up.shape[-1] // 2
-    out = out if out is not None else _new_empty(gate_up, (*gate_up.shape[:-1], n_cols))
-    if gate_up_lora is None:
-        gate_up_sum = None
-    elif gate_up_sum is None:
-        gate_up_sum = _new_empty(gate_up)
-    gate2, up2 = _halves(as_rows(gate_up))
-    gate_lora2, up_lora2 = _halves(as_rows(gate_up_lora)) if gate_up_lora is not None else (None, None)
-    gate_sum2, up_sum2 = _halves(out_rows(gate_up_sum)) if gate_up_sum is not None else (None, None)
-    _launch_forward(gate2, up2, gate_lora2, up_lora2, out_rows(out), gate_sum2, up_sum2, scale, scale, activation)
+    """(out ``[..., I]``, gate_up_sum or None): :func:`gated_activation_forward` on the two halves of ``gate_up``
+    (and of ``gate_up_lora``, both halves scaled by ``scale``), the sums written into the halves of one packed
+    ``gate_up_sum``. ``out`` / ``gate_up_sum``: buffers, as there."""
+    gate_up_sum = _sum_buffer(gate_up, gate_up_lora, gate_up_sum)
+    gate, up = _halves(gate_up)
+    gate_sum, up_sum = _halves(gate_up_sum)
+    lora = Lora(*_halves(gate_up_lora), scale, scale)
+    out, _, _ = gated_activation_forward(
+        gate, up, activation, lora, impl=impl, out=out, gate_sum=gate_sum, up_sum=up_sum
+    )
     return out, gate_up_sum
 
 
-def gated_activation_packed_backward_triton(
+def gated_activation_packed_backward(
     dout: torch.Tensor,
     gate_up: torch.Tensor,
     activation: str,
     scale: float = 1.0,
-    compute_dgate_up: bool = True,
-    compute_dgate_up_lora: bool = False,
-    dgate_up_out: torch.Tensor | None = None,
-    dgate_up_lora_out: torch.Tensor | None = None,
+    wanted: tuple[bool, bool] = (True, False),
+    *,
+    impl: str = "auto",
+    out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel: (d gate_up, d gate_up_lora), each one packed ``[..., 2I]`` tensor whose halves
-    the kernel writes directly, or None where not asked for."""
-    _check_packed(gate_up, None, activation)
-    dgate_up = (dgate_up_out if dgate_up_out is not None else _new_empty(gate_up)) if compute_dgate_up else None
-    dgate_up_lora = None
-    if compute_dgate_up_lora:
-        dgate_up_lora = dgate_up_lora_out if dgate_up_lora_out is not None else _new_empty(gate_up)
-    g2, u2 = _halves(as_rows(gate_up))
-    dgate2, dup2 = _halves(out_rows(dgate_up)) if dgate_up is not None else (None, None)
-    dgate_lora2, dup_lora2 = _halves(out_rows(dgate_up_lora)) if dgate_up_lora is not None else (None, None)
-    _launch_backward(as_rows(dout), g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, scale, scale, activation)
-    return dgate_up, dgate_up_lora
+    """(d gate_up, d gate_up_lora), each one packed ``[..., 2I]`` tensor (None where ``wanted`` does not ask for
+    it) whose halves :func:`gated_activation_backward` writes directly: nothing is split or concatenated.
+    ``out``: buffers, as there."""
+    packed = [
+        (b if b is not None else torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)) if w else None
+        for w, b in zip(wanted, out, strict=True)
+    ]
+    need_base, need_lora = wanted
+    gated_activation_backward(
+        dout,
+        *_halves(gate_up),
+        activation,
+        (need_base, need_base, need_lora, need_lora),
+        LoraGrads(scale, scale),
+        impl=impl,
+        out=(*_halves(packed[0]), *_halves(packed[1])),
+    )
+    return packed[0], packed[1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -638,18 +604,17 @@ def gated_activation_op(
     saved, and the gradients are those of ``gate`` and ``up``."""
     if gate_wide is not None or up_wide is not None:
         _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
-        out, _, _ = gated_activation_forward(
-            gate if gate_wide is None else gate_wide,
-            up if up_wide is None else up_wide,
-            None,
-            None,
-            gate_scale,
-            up_scale,
-            activation,
-            out_dtype=gate.dtype,
-        )
+        gate_wide = gate if gate_wide is None else gate_wide
+        up_wide = up if up_wide is None else up_wide
+        _check_inputs(gate_wide, up_wide, NO_LORA, activation)
+        # the product from the wide sums, rounded once to gate's dtype
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        gated_activation_forward(gate_wide, up_wide, activation, out=out)
         return out, gate.new_empty(0), up.new_empty(0)
-    return gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation)
+    lora = Lora(gate_lora, up_lora, gate_scale, up_scale)
+    _check_inputs(gate, up, lora, activation)
+    out, g, u = gated_activation_forward(gate, up, activation, lora)
+    return out, tt.or_empty(g, gate), tt.or_empty(u, up)
 
 
 def _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide) -> None:
@@ -663,31 +628,9 @@ def _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide) -> None:
             )
 
 
-def gated_activation_forward(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation, out_dtype=None):
-    """The op's forward as a plain function (the same kernel or reference path, so the same values): what
-    ``fuser::upcast_linear_gated``'s backward recomputes the product with. ``out_dtype``: the product's dtype
-    (default gate's; without LoRA terms only)."""
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
-    if triton_runs(gate):
-        out = None if out_dtype is None else torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
-        out, gate_sum, up_sum = gated_activation_forward_triton(
-            gate, up, activation, gate_lora, up_lora, gate_scale, up_scale, out=out
-        )
-    else:
-        out, gate_sum, up_sum = gated_activation_reference_forward(
-            gate, up, activation, gate_lora, up_lora, gate_scale, up_scale
-        )
-        if out_dtype is not None:  # the reference's product in gate's dtype: fp32 here (the wide sums)
-            out = out.to(out_dtype)
-        out = out.contiguous()
-        gate_sum = gate_sum.contiguous() if gate_sum is not None else None
-        up_sum = up_sum.contiguous() if up_sum is not None else None
-    return out, or_empty(gate_sum, gate), or_empty(up_sum, up)
-
-
 @gated_activation_op.register_fake
 def _(gate, up, gate_lora, up_lora, gate_scale, up_scale, activation, gate_wide=None, up_wide=None):
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
+    _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     if gate_wide is not None or up_wide is not None:
         _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
     return (
@@ -713,12 +656,9 @@ def gated_activation_backward_op(
     up_lora_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate, dup, dgate_lora, dup_lora); each one not asked for is an empty tensor."""
-    args = (dout, g, u, activation, gate_scale, up_scale, gate_grad, up_grad, gate_lora_grad, up_lora_grad)
-    dtypes = {"gate_lora_dtype": gate_lora_dtype, "up_lora_dtype": up_lora_dtype}
-    grads = dispatch(
-        triton_runs(g), gated_activation_backward_triton, gated_activation_reference_backward, *args, **dtypes
-    )
-    return tuple(or_empty(t, g) for t in grads)
+    wanted = (gate_grad, up_grad, gate_lora_grad, up_lora_grad)
+    lora = LoraGrads(gate_scale, up_scale, gate_lora_dtype, up_lora_dtype)
+    return tuple(tt.or_empty(t, g) for t in gated_activation_backward(dout, g, u, activation, wanted, lora))
 
 
 @gated_activation_backward_op.register_fake
@@ -744,12 +684,10 @@ def gated_activation_backward_inplace_op(
     ``fuser::gated_activation_backward`` when nothing reads g and u afterwards (a checkpointed layer's recomputed
     gate and up), which saves two ``[tokens, intermediate]`` buffers at the peak of the layer's backward. The
     kernel reads each element of g and u before it writes the same element, so writing in place is exact."""
-    if triton_runs(g) and g.is_contiguous() and u.is_contiguous():
-        gated_activation_backward_triton(dout, g, u, activation, gate_scale, up_scale, dgate_out=g, dup_out=u)
-        return
-    dgate, dup, _, _ = gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale)
-    g.copy_(dgate)
-    u.copy_(dup)
+    # the kernels write rows of unit last stride; the reference computes both gradients before it writes either
+    impl = "triton" if tt.triton_runs(g) and g.is_contiguous() and u.is_contiguous() else "reference"
+    lora = LoraGrads(gate_scale, up_scale)
+    gated_activation_backward(dout, g, u, activation, BASE_GRADS, lora, impl=impl, out=(g, u, None, None))
 
 
 @gated_activation_backward_inplace_op.register_fake
@@ -799,11 +737,8 @@ def gated_activation_packed_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out ``[..., I]``, gate_up_sum): the packed LoRA sum backward saves, or an empty tensor."""
     _check_packed(gate_up, gate_up_lora, activation)
-    args = (gate_up, activation, gate_up_lora, scale)
-    out, gate_up_sum = dispatch(
-        triton_runs(gate_up), gated_activation_packed_forward_triton, gated_activation_packed_reference_forward, *args
-    )
-    return out, or_empty(gate_up_sum, gate_up)
+    out, gate_up_sum = gated_activation_packed_forward(gate_up, activation, gate_up_lora, scale)
+    return out, tt.or_empty(gate_up_sum, gate_up)
 
 
 @gated_activation_packed_op.register_fake
@@ -823,11 +758,9 @@ def gated_activation_packed_backward_op(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate_up, d gate_up_lora), packed ``[..., 2I]``; each one not asked for is an empty tensor."""
-    args = (dout, gate_up, activation, scale, gate_up_grad, gate_up_lora_grad)
-    grads = dispatch(
-        triton_runs(gate_up), gated_activation_packed_backward_triton, gated_activation_packed_reference_backward, *args
-    )
-    return or_empty(grads[0], gate_up), or_empty(grads[1], gate_up)
+    wanted = (gate_up_grad, gate_up_lora_grad)
+    grads = gated_activation_packed_backward(dout, gate_up, activation, scale, wanted)
+    return tt.or_empty(grads[0], gate_up), tt.or_empty(grads[1], gate_up)
 
 
 @gated_activation_packed_backward_op.register_fake
@@ -877,7 +810,7 @@ def gated_activation(
     ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``; the LoRA terms are optional. gate, up and the
     LoRA terms share one shape and dtype; the maths runs in fp32 and the result has the inputs' dtype.
     """
-    _check_inputs(gate, up, gate_lora, up_lora, activation)
+    _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     return torch.ops.fuser.gated_activation(
         gate, up, gate_lora, up_lora, float(gate_scale), float(up_scale), activation
     )[0]
@@ -885,13 +818,13 @@ def gated_activation(
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` (Llama, Mistral, Qwen MLPs), fused, with autograd."""
-    check_floating("swiglu", gate=gate, up=up)
+    tt.check_floating("swiglu", gate=gate, up=up)
     return gated_activation(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` (Gemma: ``"tanh"``), fused, with autograd."""
-    check_floating("geglu", gate=gate, up=up)
+    tt.check_floating("geglu", gate=gate, up=up)
     if approximate not in ("tanh", "none"):
         raise ValueError(f"fuser: geglu expects approximate 'tanh' or 'none' (as F.gelu), got {approximate!r}")
     return gated_activation(gate, up, "gelu_tanh" if approximate == "tanh" else "gelu")

@@ -48,6 +48,7 @@ outside the row (the label's gather is masked).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -80,6 +81,36 @@ DwAccumulator = Literal["input", "fp32"]
 DwKernel = Literal["cublas", "triton"]
 DW_ACCUMULATORS: tuple[str, ...] = get_args(DwAccumulator)
 DW_KERNELS: tuple[str, ...] = get_args(DwKernel)
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """The loss's own parameters, as the op's arguments give them (module docstring): rows labelled
+    ``ignore_index`` count for nothing, ``reduction`` is ``"mean"`` or ``"sum"``, ``softcap`` 0 is none."""
+
+    ignore_index: int
+    reduction: str
+    logit_scale: float
+    softcap: float
+
+
+@dataclass(frozen=True)
+class GradsWanted:
+    """Which gradients the forward forms on its way: hidden's, the weight's, the bias's."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+
+@dataclass(frozen=True)
+class DweightOptions:
+    """How the weight gradient is accumulated over the chunks (module docstring): ``kernel`` (``dw_kernel``),
+    ``accumulator`` (``dw_accumulator``), and ``streams``."""
+
+    kernel: str = "cublas"
+    accumulator: str = "input"
+    streams: bool = True
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None) -> int:
@@ -167,9 +198,10 @@ def _finish_loss(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _reference_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad):
+def _reference_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
     """What the kernel does to one chunk: loss per row into ``loss_rows``; with ``write_grad``, the gradient
     with respect to ``logits`` (scaled by the 0-dim ``scale`` for valid rows) written over ``logits``."""
+    ignore_index, logit_scale, softcap = ce.ignore_index, ce.logit_scale, ce.softcap
     compute = compute_dtype(logits)
     y = logits.to(compute) * logit_scale
     t = torch.tanh(y / softcap) if softcap else None
@@ -362,7 +394,7 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
     lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
 
 
-def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, softcap, write_grad) -> None:
+def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -374,10 +406,10 @@ def _launch_chunk(logits, labels, loss_rows, scale, ignore_index, logit_scale, s
         scale,
         logits.stride(0),
         n_cols,
-        int(ignore_index),
-        float(logit_scale),
-        float(softcap) if softcap else 1.0,
-        HAS_SOFTCAP=bool(softcap),
+        int(ce.ignore_index),
+        float(ce.logit_scale),
+        float(ce.softcap) if ce.softcap else 1.0,
+        HAS_SOFTCAP=bool(ce.softcap),
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
         num_warps=16 if logits.is_cuda else 4,
@@ -439,45 +471,41 @@ def _forward_chunked(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     labels: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    logit_scale: float,
-    softcap: float,
-    grad_hidden: bool,
-    grad_weight: bool,
-    grad_bias: bool,
+    ce: CrossEntropy,
+    wanted: GradsWanted,
+    dw_options: DweightOptions,
     triton_path: bool,
-    dw_kernel: str = "cublas",
-    dw_accumulator: str = "input",
-    streams: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's results (:func:`linear_cross_entropy_op`), chunk by chunk; ``triton_path``: each chunk's loss and
+    gradient by the Triton kernel, else by the reference."""
     h2 = as_rows(hidden)
     labels1 = labels.reshape(-1)
     labels1 = labels1 if labels1.stride(0) == 1 else labels1.contiguous()  # the kernel reads labels at unit stride
     n_rows, vocab = h2.shape[0], weight.shape[0]
-    n_valid, scale = _grad_scale(labels1, ignore_index, reduction)
+    n_valid, scale = _grad_scale(labels1, ce.ignore_index, ce.reduction)
     # fp16: c · (softmax − onehot) with c = 1/n_valid would sit in fp16's subnormal range (a GradScaler multiplies
     # only afterwards), so fp16 gradients are formed unnormalised and c joins grad_output in the backward
     ones = torch.ones_like(scale)
     scale, late_scale = (ones, scale) if h2.dtype == torch.float16 else (scale, ones)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
-    write_grad = grad_hidden or grad_weight or grad_bias
-    dh = torch.empty_like(h2) if grad_hidden else h2.new_empty(0)
-    accumulator = dweight_accumulator(weight, dw_accumulator)
+    write_grad = wanted.hidden or wanted.weight or wanted.bias
+    dh = torch.empty_like(h2) if wanted.hidden else h2.new_empty(0)
+    accumulator = dweight_accumulator(weight, dw_options.accumulator)
     dw_acc = None
-    if grad_weight:
+    if wanted.weight:
         # the first chunk writes it (no zero fill, no read of zeros); the later ones add to it
         dw_acc = torch.empty(weight.shape, dtype=torch.float32 if accumulator == "fp32" else weight.dtype,
                              device=weight.device)  # fmt: skip
-    db_acc = torch.zeros(vocab, dtype=torch.float32, device=h2.device) if grad_bias else None
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=h2.device) if wanted.bias else None
     rows = chunk_rows(n_rows, vocab, h2.element_size())
     buffer = torch.empty(min(rows, n_rows), vocab, dtype=h2.dtype, device=h2.device)
-    triton_dw = grad_weight and dweight_kernel_enabled(dw_acc, buffer, dw_kernel)
+    triton_dw = wanted.weight and dweight_kernel_enabled(dw_acc, buffer, dw_options.kernel)
     weight_t = weight.t()
+    chunk_step = _launch_chunk if triton_path else _reference_chunk  # a chunk's loss and gradient, alike
     # dhidden and dweight both only read a chunk's gradient: with a side stream the weight gradient's memory-bound
     # accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk waits for both
     # before it overwrites the buffer
-    side = _side_stream(h2.device, streams) if grad_weight and grad_hidden else None
+    side = _side_stream(h2.device, dw_options.streams) if wanted.weight and wanted.hidden else None
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         h_c, logits = h2[start:end], buffer[: end - start]
@@ -485,31 +513,26 @@ def _forward_chunked(
             torch.addmm(bias, h_c, weight_t, out=logits)
         else:
             torch.mm(h_c, weight_t, out=logits)
-        if triton_path:
-            _launch_chunk(logits, labels1[start:end], loss_rows[start:end], scale, ignore_index, logit_scale,
-                          softcap, write_grad)  # fmt: skip
-        else:
-            _reference_chunk(logits, labels1[start:end], loss_rows[start:end], scale, ignore_index, logit_scale,
-                             softcap, write_grad)  # fmt: skip
+        chunk_step(logits, labels1[start:end], loss_rows[start:end], scale, ce, write_grad)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(h2.device))
-        if grad_weight:
+        if wanted.weight:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=triton_dw)
-        if grad_hidden:
+        if wanted.hidden:
             torch.mm(logits, weight, out=dh[start:end])
         if side is not None:
             torch.cuda.current_stream(h2.device).wait_stream(side)
-        if grad_bias:
+        if wanted.bias:
             db_acc += logits.sum(0, dtype=torch.float32)
     del buffer
-    if grad_weight and n_rows == 0:
+    if wanted.weight and n_rows == 0:
         dw_acc.zero_()
-    loss = _finish_loss(loss_rows, n_valid, reduction)
+    loss = _finish_loss(loss_rows, n_valid, ce.reduction)
     # distinct 0-element tensors for the gradients not formed: a custom op's outputs must not alias
-    dw = dw_acc.to(weight.dtype) if grad_weight else h2.new_empty(0)
-    db = db_acc.to(bias.dtype) if grad_bias else h2.new_empty(0)
-    return loss, dh.view(hidden.shape) if grad_hidden else dh, dw, db, late_scale
+    dw = dw_acc.to(weight.dtype) if wanted.weight else h2.new_empty(0)
+    db = db_acc.to(bias.dtype) if wanted.bias else h2.new_empty(0)
+    return loss, dh.view(hidden.shape) if wanted.hidden else dh, dw, db, late_scale
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -539,10 +562,10 @@ def linear_cross_entropy_op(
     ``dw_kernel``, ``dw_accumulator``, ``streams``: how the weight gradient is accumulated (module docstring)."""
     _check(hidden, weight, bias, labels, reduction, dw_kernel, dw_accumulator)
     _check_label_range(labels, weight.shape[0], ignore_index)
-    triton_path = triton_runs(hidden)
-    return _forward_chunked(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softcap,
-                            grad_hidden, grad_weight, grad_bias and bias is not None, triton_path, dw_kernel,
-                            dw_accumulator, streams)  # fmt: skip
+    ce = CrossEntropy(ignore_index, reduction, logit_scale, softcap)
+    wanted = GradsWanted(grad_hidden, grad_weight, grad_bias and bias is not None)
+    dw_options = DweightOptions(dw_kernel, dw_accumulator, streams)
+    return _forward_chunked(hidden, weight, bias, labels, ce, wanted, dw_options, triton_runs(hidden))
 
 
 @linear_cross_entropy_op.register_fake

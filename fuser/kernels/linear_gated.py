@@ -19,20 +19,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuser.kernels.gated_activation import gated_activation_forward
+from fuser.kernels.gated_activation import Lora, gated_activation_forward
+
+# The argument lists of the gated down projections (this op's, and ``fuser::upcast_linear_gated``'s in
+# upcast_linear.py, which adds ``allow_triton``) and of their backward ops (which add what each computes): the
+# projection's input x, weight and bias, and the gated op's own arguments, from which the backward recomputes x. The
+# ops' schemas are written from these pieces, the same schemas torch would infer from typed signatures.
+GATED_LINEAR_ARGS = (
+    "Tensor x, Tensor gate, Tensor up, Tensor weight, Tensor? bias, float gate_scale, float up_scale, str activation"
+)
+GATED_GRADS_ARGS = "Tensor dy, Tensor gate, Tensor up, Tensor weight, float gate_scale, float up_scale, str activation"
 
 
-@torch.library.custom_op("fuser::linear_gated", mutates_args=())
-def linear_gated_op(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gate_scale: float,
-    up_scale: float,
-    activation: str,
-) -> torch.Tensor:
+@torch.library.custom_op("fuser::linear_gated", mutates_args=(), schema=f"({GATED_LINEAR_ARGS}) -> Tensor")
+def linear_gated_op(x, gate, up, weight, bias, gate_scale, up_scale, activation):
     """``F.linear(x, weight, bias)``, ``x`` being ``fuser::gated_activation(gate, up, None, None, gate_scale,
     up_scale, activation)[0]``."""
     return F.linear(x, weight, bias)
@@ -43,19 +43,12 @@ def _(x, gate, up, weight, bias, gate_scale, up_scale, activation):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("fuser::linear_gated_grads", mutates_args=())
-def linear_gated_grads(
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    gate_scale: float,
-    up_scale: float,
-    activation: str,
-    need_x: bool,
-    need_w: bool,
-    need_b: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    "fuser::linear_gated_grads",
+    mutates_args=(),
+    schema=f"({GATED_GRADS_ARGS}, bool need_x, bool need_w, bool need_b) -> (Tensor, Tensor, Tensor)",
+)
+def linear_gated_grads(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w, need_b):
     """(dx, dW, db), each 0-element where not asked for. One op that reads ``dy``: the recompute belongs to the
     backward (a separate gated call would be merged with the forward's by common-subexpression elimination)."""
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -63,7 +56,7 @@ def linear_gated_grads(
     dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1]) if need_x else empty
     dw, db = weight.new_empty(0), empty
     if need_w:
-        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
         dw = dy2.t() @ x.reshape(-1, x.shape[-1])
     if need_b:
         db = dy2.sum(0)

@@ -386,16 +386,21 @@ def rms_norm_backward(
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fuser::rms_norm", mutates_args=())
-def rms_norm_op(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float,
-    norm_dtype: torch.dtype | None,
-    out_dtype: torch.dtype | None,
-    x_wide: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+# The norm's arguments (a Norm's fields), and the backward's (with the forward's rstd and whether dweight is
+# wanted), as every op of this module takes them: the plain ops' schemas and the add variants' (which add the
+# residual, or the sum's gradient) are written from these pieces.
+_NORM_SCHEMA = "Tensor? weight, float eps, float offset, ScalarType? norm_dtype"
+_NORM_BACKWARD_SCHEMA = (
+    "Tensor? weight, Tensor rstd, float eps, float offset, ScalarType? norm_dtype, bool compute_dweight"
+)
+
+
+@torch.library.custom_op(
+    "fuser::rms_norm",
+    mutates_args=(),
+    schema=f"(Tensor x, {_NORM_SCHEMA}, ScalarType? out_dtype, Tensor? x_wide=None) -> (Tensor, Tensor)",
+)
+def rms_norm_op(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
     """Returns (y, rstd); rstd (fp32, ``x.shape[:-1]``) is what backward needs besides x and the weight.
 
     ``x_wide`` (fp32, x's shape): the value ``x`` is the rounding of (a LoRA or residual sum before its cast to x's
@@ -426,18 +431,12 @@ def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("fuser::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    eps: float,
-    offset: float,
-    norm_dtype: torch.dtype | None,
-    compute_dweight: bool,
-    dx_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    "fuser::rms_norm_backward",
+    mutates_args=(),
+    schema=f"(Tensor dy, Tensor x, {_NORM_BACKWARD_SCHEMA}, ScalarType? dx_dtype=None) -> (Tensor, Tensor)",
+)
+def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None):
     """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor)."""
     norm = Norm(weight, eps, offset, norm_dtype)
     dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd)
@@ -481,14 +480,6 @@ def _backward(ctx, dy, _drstd):
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# The add variants take the plain ops' norm arguments (their schemas are written from the same pieces as those
-# torch infers from rms_norm_op's and rms_norm_backward_op's signatures), and the residual or the sum's gradient.
-_NORM_SCHEMA = "Tensor? weight, float eps, float offset, ScalarType? norm_dtype"
-_NORM_BACKWARD_SCHEMA = (
-    "Tensor? weight, Tensor rstd, float eps, float offset, ScalarType? norm_dtype, bool compute_dweight"
-)
 
 
 @torch.library.custom_op(

@@ -340,6 +340,8 @@ if HAS_TRITON:
         cos_p, cos_o = _load_pairs(cos_row, one_row < 1, n_half, cos_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
         sin_p, sin_o = _load_pairs(sin_row, one_row < 1, n_half, sin_stride_d, OUT_INTERLEAVED, BLOCK_HALF)
 
+        # the same call for q's heads and k's, on their own pointers, strides and head counts: two calls, not one on
+        # selected arguments, as q and k may differ in dtype (a pointer's element type) and in block size (constexpr)
         if block < n_q_blocks:  # a block of q's heads
             _rotate_head_block(
                 src_q_ptr + batch * src_q_stride_b + token * src_q_stride_t,

@@ -43,7 +43,8 @@ from fuser.kernels._triton import (
     triton,
     use_triton,
 )
-from fuser.kernels.gated_activation import gated_activation_forward
+from fuser.kernels.gated_activation import Lora, gated_activation_forward
+from fuser.kernels.linear_gated import GATED_GRADS_ARGS, GATED_LINEAR_ARGS
 
 TRITON_MAX_OUT = 64  # the Triton path's widest weight (out features): LoRA ranks
 _alloc = torch.empty  # the Triton path's output buffers (tests fill them with NaN first)
@@ -366,18 +367,11 @@ upcast_linear_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fuser::upcast_linear_gated", mutates_args=())
-def upcast_linear_gated_op(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gate_scale: float,
-    up_scale: float,
-    activation: str,
-    allow_triton: bool = True,
-) -> torch.Tensor:
+# linear_gated's argument lists (linear_gated.GATED_LINEAR_ARGS, GATED_GRADS_ARGS), with allow_triton
+@torch.library.custom_op(
+    "fuser::upcast_linear_gated", mutates_args=(), schema=f"({GATED_LINEAR_ARGS}, bool allow_triton=True) -> Tensor"
+)
+def upcast_linear_gated_op(x, gate, up, weight, bias, gate_scale, up_scale, activation, allow_triton=True):
     """``upcast_linear(x, weight, bias, allow_triton)`` where ``x`` is ``fuser::gated_activation(gate, up, None, None,
     gate_scale, up_scale, activation)[0]`` (peft's LoRA A of a gated MLP's down projection): the backward saves
     gate and up (which the gated op's backward saves anyway) instead of ``x``, and recomputes ``x`` with that same
@@ -399,19 +393,14 @@ def _gated_setup_context(ctx, inputs, output):
     ctx.n_inputs = len(inputs)
 
 
-@torch.library.custom_op("fuser::upcast_linear_gated_grads", mutates_args=())
+@torch.library.custom_op(
+    "fuser::upcast_linear_gated_grads",
+    mutates_args=(),
+    schema=f"({GATED_GRADS_ARGS}, bool need_x, bool need_w, bool allow_triton=True) -> (Tensor, Tensor)",
+)
 def upcast_linear_gated_grads(
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    gate_scale: float,
-    up_scale: float,
-    activation: str,
-    need_x: bool,
-    need_w: bool,
-    allow_triton: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w, allow_triton=True
+):
     """``upcast_linear_grads`` with x recomputed from gate and up here (where dW needs it), by the gated op's own
     forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
@@ -435,31 +424,26 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
     n_rows = gate2.shape[0]
     step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
     if n_rows <= step:
-        x = gated_activation_forward(gate, up, None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
         return upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
     dw = None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        x = gated_activation_forward(gate2[rows], up2[rows], None, None, gate_scale, up_scale, activation)[0]
+        x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
         part = upcast_linear_grads(dy2[rows], x, weight, False, True, allow_triton)[1]
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw
 
 
-@torch.library.custom_op("fuser::upcast_linear_gated_grads_acc_", mutates_args=("dx_acc",))
+@torch.library.custom_op(
+    "fuser::upcast_linear_gated_grads_acc_",
+    mutates_args=("dx_acc",),
+    schema=f"(Tensor(a0!) dx_acc, {GATED_GRADS_ARGS}, bool need_w, bool allow_triton=True) -> Tensor",
+)
 def upcast_linear_gated_grads_acc_(
-    dx_acc: torch.Tensor,
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    gate_scale: float,
-    up_scale: float,
-    activation: str,
-    need_w: bool,
-    allow_triton: bool = True,
-) -> torch.Tensor:
+    dx_acc, dy, gate, up, weight, gate_scale, up_scale, activation, need_w, allow_triton=True
+):
     """``upcast_linear_gated_grads`` whose dx is added into ``dx_acc`` (``dx_acc += dx``, rounded as
     ``dx_acc + dx`` in dx_acc's dtype would be) instead of returned: returns dW (empty unless ``need_w``).
 

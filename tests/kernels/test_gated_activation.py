@@ -1,8 +1,8 @@
 """Kernel tests for the fused gated activation (``fuser/kernels/gated_activation.py``): launchers, reference, ops.
 
-Oracle: the reference formulas (``gated_activation_reference_forward/backward``) evaluated on fp64 copies of the
-inputs; the hand-written reference backward is itself checked against fp64 autograd of the activation written the
-way models write it (``F.silu(g) * u``, ``F.gelu(g, approximate="tanh") * u``, ``F.gelu(g) * u``, and under
+Oracle: the reference formulas (``gated_activation_forward/backward(..., impl="reference")``) evaluated on fp64
+copies of the inputs; the hand-written reference backward is itself checked against fp64 autograd of the activation
+written the way models write it (``F.silu(g) * u``, ``F.gelu(g, approximate="tanh") * u``, ``F.gelu(g) * u``, and under
 PEFT's LoRA ``act(gate + lora_g * s) * (up + lora_u * s)``).
 
 Error measure: ``rel_err(a, b) = ‖a − b‖ / ‖b‖`` over the whole tensor, computed in fp64. Tolerances:
@@ -35,17 +35,65 @@ import torch.nn.functional as F
 import fuser.kernels.gated_activation as gated_activation_module
 from fuser.kernels._triton import HAS_TRITON, interpreting
 from fuser.kernels.gated_activation import (
+    Lora,
+    LoraGrads,
     gated_activation,
-    gated_activation_backward_triton,
-    gated_activation_forward_triton,
+    gated_activation_backward,
+    gated_activation_forward,
     gated_activation_packed,
-    gated_activation_packed_backward_triton,
-    gated_activation_packed_forward_triton,
-    gated_activation_reference_backward,
-    gated_activation_reference_forward,
+    gated_activation_packed_backward,
+    gated_activation_packed_forward,
     geglu,
     swiglu,
 )
+
+
+# The op's single entry per direction (``gated_activation_forward`` / ``gated_activation_backward``, and the packed
+# form's) per path, called as the tests below call it.
+def gated_activation_reference_forward(
+    gate, up, activation, gate_lora=None, up_lora=None, gate_scale=1.0, up_scale=1.0
+):
+    lora = Lora(gate_lora, up_lora, gate_scale, up_scale)
+    return gated_activation_forward(gate, up, activation, lora, impl="reference")
+
+
+def gated_activation_reference_backward(
+    dout, g, u, activation, gate_scale=1.0, up_scale=1.0, dgate=True, dup=True, dgate_lora=False, dup_lora=False
+):
+    wanted = (dgate, dup, dgate_lora, dup_lora)
+    return gated_activation_backward(dout, g, u, activation, wanted, LoraGrads(gate_scale, up_scale), impl="reference")
+
+
+def gated_activation_forward_triton(
+    gate, up, activation, gate_lora=None, up_lora=None, gate_scale=1.0, up_scale=1.0, *buffers
+):
+    out, gate_sum, up_sum = (*buffers, None, None, None)[:3]
+    lora = Lora(gate_lora, up_lora, gate_scale, up_scale)
+    return gated_activation_forward(
+        gate, up, activation, lora, impl="triton", out=out, gate_sum=gate_sum, up_sum=up_sum
+    )
+
+
+def gated_activation_backward_triton(
+    dout, g, u, activation, gate_scale=1.0, up_scale=1.0, dgate=True, dup=True, dgate_lora=False, dup_lora=False, *out
+):
+    wanted = (dgate, dup, dgate_lora, dup_lora)
+    lora = LoraGrads(gate_scale, up_scale)
+    return gated_activation_backward(dout, g, u, activation, wanted, lora, impl="triton", out=out or (None,) * 4)
+
+
+def gated_activation_packed_forward_triton(
+    gate_up, activation, gate_up_lora=None, scale=1.0, out=None, gate_up_sum=None
+):
+    return gated_activation_packed_forward(
+        gate_up, activation, gate_up_lora, scale, impl="triton", out=out, gate_up_sum=gate_up_sum
+    )
+
+
+def gated_activation_packed_backward_triton(dout, gate_up, activation, scale, *wanted_and_out):
+    wanted, out = wanted_and_out[:2], wanted_and_out[2:]
+    return gated_activation_packed_backward(dout, gate_up, activation, scale, wanted, impl="triton", out=out)
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -603,11 +651,13 @@ def test_op_asks_backward_only_for_needed_grads(case, gen, reference_path, monke
     lora, requires_grad = NEEDS_GRAD[case]
     calls = []
 
-    def spy(dout, g, u, activation, gate_scale, up_scale, *wanted, **lora_dtypes):
-        calls.append(tuple(wanted))
-        return gated_activation_reference_backward(dout, g, u, activation, gate_scale, up_scale, *wanted, **lora_dtypes)
+    real = gated_activation_module.gated_activation_backward
 
-    monkeypatch.setattr(gated_activation_module, "gated_activation_reference_backward", spy)
+    def spy(dout, g, u, activation, wanted, *args, **kwargs):
+        calls.append(tuple(wanted))
+        return real(dout, g, u, activation, wanted, *args, **kwargs)
+
+    monkeypatch.setattr(gated_activation_module, "gated_activation_backward", spy)
     check_op_autograd(_call_functional, "gelu_tanh", lora, (5, 300), gen, requires_grad)
     gate_scale, up_scale = LORA[lora]
     expected = (
@@ -695,13 +745,13 @@ def test_packed_op_autograd_matches_fp64_model(activation, lora, gen, reference_
 
 def test_packed_op_asks_only_for_the_lora_grad(gen, reference_path, monkeypatch):
     calls = []
-    real = gated_activation_module.gated_activation_packed_reference_backward
+    real = gated_activation_module.gated_activation_packed_backward
 
-    def spy(dout, gate_up, activation, scale, *wanted):
+    def spy(dout, gate_up, activation, scale, wanted, *args, **kwargs):
         calls.append(tuple(wanted))
-        return real(dout, gate_up, activation, scale, *wanted)
+        return real(dout, gate_up, activation, scale, wanted, *args, **kwargs)
 
-    monkeypatch.setattr(gated_activation_module, "gated_activation_packed_reference_backward", spy)
+    monkeypatch.setattr(gated_activation_module, "gated_activation_packed_backward", spy)
     check_packed_op_autograd("silu", True, gen, requires_grad=(False, True))
     assert calls == [(False, True)]
 
@@ -794,18 +844,18 @@ def count_launches(monkeypatch, names):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_op_through_triton_on_cpu(activation, lora, gen, monkeypatch, triton_on_cpu):
     triton_on_cpu()
-    launched = count_launches(monkeypatch, ["gated_activation_forward_triton", "gated_activation_backward_triton"])
+    launched = count_launches(monkeypatch, ["_launch_forward", "_launch_backward"])
     check_op_autograd(_call_functional, activation, lora, (2, 9, 65), gen)
     # a silent fall-back to the reference path must not pass
-    assert launched == ["gated_activation_forward_triton", "gated_activation_backward_triton"]
+    assert launched == ["_launch_forward", "_launch_backward"]
 
 
 @interpreter
 def test_op_through_triton_lora_grads_only(gen, monkeypatch, triton_on_cpu):
     triton_on_cpu()
-    launched = count_launches(monkeypatch, ["gated_activation_forward_triton", "gated_activation_backward_triton"])
+    launched = count_launches(monkeypatch, ["_launch_forward", "_launch_backward"])
     check_op_autograd(_call_functional, "silu", "lora", (2, 9, 65), gen, requires_grad=(False, False, True, True))
-    assert launched == ["gated_activation_forward_triton", "gated_activation_backward_triton"]
+    assert launched == ["_launch_forward", "_launch_backward"]
 
 
 @interpreter
@@ -813,7 +863,7 @@ def test_op_through_triton_lora_grads_only(gen, monkeypatch, triton_on_cpu):
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_packed_op_through_triton_on_cpu(activation, lora, gen, monkeypatch, triton_on_cpu):
     triton_on_cpu()
-    names = ["gated_activation_packed_forward_triton", "gated_activation_packed_backward_triton"]
+    names = ["_launch_forward", "_launch_backward"]
     launched = count_launches(monkeypatch, names)
     check_packed_op_autograd(activation, lora, gen)
     assert launched == names
