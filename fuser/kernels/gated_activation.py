@@ -604,8 +604,9 @@ def gated_activation_op(
     saved, and the gradients are those of ``gate`` and ``up``."""
     if gate_wide is not None or up_wide is not None:
         _check_wide(gate, up, gate_lora, up_lora, gate_wide, up_wide)
-        gate_wide = gate if gate_wide is None else gate_wide
-        up_wide = up if up_wide is None else up_wide
+        # one half without a LoRA sum (an adapter on gate_proj or up_proj alone): its fp32 copy is exact
+        gate_wide = gate.to(torch.float32) if gate_wide is None else gate_wide
+        up_wide = up.to(torch.float32) if up_wide is None else up_wide
         _check_inputs(gate_wide, up_wide, NO_LORA, activation)
         # the product from the wide sums, rounded once to gate's dtype
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
