@@ -576,8 +576,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, help="sequences per step (default 8 on CUDA, 4 on a CPU; or the preset's)")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 256 on CUDA, 128 on a CPU; or preset's)")
     parser.add_argument("--lr", type=float, help="AdamW lr of every method (overrides --lr-full and --lr-lora)")
-    parser.add_argument("--lr-full", type=float, default=3e-4, help="AdamW lr of the full fine-tune")
-    parser.add_argument("--lr-lora", type=float, default=1e-3, help="AdamW lr of LoRA")
+    # the rates people fine-tune with (issue 16): larger ones hide bf16's loss of small updates
+    parser.add_argument("--lr-full", type=float, default=1e-5, help="AdamW lr of the full fine-tune (default 1e-5)")
+    parser.add_argument("--lr-lora", type=float, default=2e-4, help="AdamW lr of LoRA (default 2e-4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", help="comma-separated seeds, one set of runs each (overrides --seed)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs on a busy machine: 1)")
