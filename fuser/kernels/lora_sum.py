@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
 from fuser.kernels import upcast_linear as U
-from fuser.kernels._triton import as_rows, check_floating
+from fuser.kernels._triton import as_rows, check_floating, check_linear
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -233,7 +233,7 @@ def lora_sum(
 def _wide_matmul(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2 @ weightᵀ`` in fp32, from half operands: cuBLAS's fp32 accumulator written as it is (``out_dtype``) on a
     GPU; elsewhere the operands upcast (exact) and multiplied in fp32."""
-    if x2.is_cuda and x2.dtype in HALF_DTYPES and weight.dtype == x2.dtype:
+    if x2.is_cuda and x2.dtype in HALF_DTYPES:
         return torch.mm(x2, weight.t(), out_dtype=torch.float32)
     return x2.to(torch.float32) @ weight.to(torch.float32).t()
 
@@ -245,12 +245,10 @@ def linear_wide_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     first and the sum again erases a LoRA term below half an ulp entirely: a rounded base is on the half grid,
     so the second rounding returns it (issue 16). The gradients are the linear's, from the gradient rounded to
     ``x``'s dtype (what the rounded output's gradient was)."""
-    check_floating("linear_wide", x=x, weight=weight)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.dtype != x.dtype:
-        raise ValueError(
-            f"fuser: linear_wide expects a weight [out, {x.shape[-1]}] of x's dtype {x.dtype}, got "
-            f"{tuple(weight.shape)} {weight.dtype}"
-        )
+    check_floating("linear_wide", x=x, weight=weight, bias=bias)
+    check_linear("linear_wide", "x", x, weight, bias)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"fuser: linear_wide expects a weight of x's dtype {x.dtype}, got {weight.dtype}")
     y = _wide_matmul(as_rows(x), weight)
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -21,7 +21,7 @@ import torch.fx
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_equal
-from fuser.engine.canonical import tensor_meta
+from fuser.engine.canonical import canonical, dtype_of, tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
@@ -355,16 +355,13 @@ def _drop_dead_casts(graph: torch.fx.Graph) -> None:
 
 
 def _plain_linear(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, ...] | None:
-    """``(x, weight[, bias])`` of ``F.linear`` when ``node`` is one whose inputs are all ``dtype``; else None."""
-    if node.op != "call_function" or node.target is not torch.nn.functional.linear:
+    """``(x, weight[, bias])`` of a linear call (its arguments bound by name) whose inputs are all ``dtype``; else
+    None."""
+    c = canonical(node)
+    if c is None or c.op != "linear":
         return None
-    args = (*node.args, *([node.kwargs["bias"]] if "bias" in node.kwargs else []))
-    if set(node.kwargs) - {"bias"} or not 2 <= len(args) <= 3:
-        return None
-    if len(args) == 3 and args[2] is None:
-        args = args[:2]
-    metas = [tensor_meta(v) if isinstance(v, torch.fx.Node) else None for v in args]
-    if any(m is None or m.dtype != dtype for m in metas):
+    args = c.args if c.args[2] is not None else c.args[:2]
+    if any(dtype_of(v) != dtype for v in args):
         return None
     return args
 
