@@ -55,8 +55,9 @@ class FuserConfig:
     causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
     gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
                            for swiglu and geglu.
-    upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True)``; ``triton``
-                           also switches lora_sum's kernels, which are the same.
+    upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
+                           group_shared_inputs=True)``; ``triton`` also switches lora_sum's kernels, which are the
+                           same.
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True)``: a LoRA sum stored rounded adds its term
                            to the base linear's unrounded fp32 output.
 

@@ -244,7 +244,8 @@ def test_upcast_linear_triton_by_name_reaches_every_op_of_its_kernels(triton, ge
     backend = compile_by_name(lora_mlp, {"upcast_linear": {"triton": triton}}, *lora_inputs(gen))
     assert backend.counts == {"lora_sum": 3, "swiglu": 1, "upcast_linear": 3}
     upcasts = calls(rewritten, OPS.upcast_linear.default) + calls(rewritten, OPS.upcast_linear_gated.default)
-    assert len(upcasts) == 3 and all(n.kwargs == {"allow_triton": triton} for n in upcasts)
+    # gate's and up's adapters read one x: one op on their concatenated weights (group_shared_inputs)
+    assert len(upcasts) == 2 and all(n.kwargs == {"allow_triton": triton} for n in upcasts)
     # the gate and up sums became lora_sum_wide (they feed the gated op), the down sum a lora_sum into the output
     sums = calls(rewritten, OPS.lora_sum.default) + calls(rewritten, OPS.lora_sum_wide.default)
     assert len(sums) == 3 and all(n.kwargs["allow_triton"] is triton for n in sums)
@@ -266,10 +267,20 @@ def test_upcast_linear_triton_by_name_decides_the_kernels(triton, gen, triton_on
         assert {"_forward_triton", "_dx_triton", "_dw_triton"} <= set(launched)
 
 
+@pytest.mark.parametrize("group", [False, True])
+def test_group_shared_inputs_by_name(group, gen, rewritten):
+    backend = compile_by_name(lora_mlp, {"upcast_linear": {"group_shared_inputs": group}}, *lora_inputs(gen))
+    # gate's and up's adapters grouped (2 refined) besides the down adapter's recompute (1)
+    assert refined(backend).get("upcast_linear", 0) == 1 + 2 * group
+    assert len(calls(rewritten, OPS.upcast_linear.default)) == 2 - group
+    assert len(calls(rewritten, torch.cat)) == int(group)
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_recompute_gated_input_by_name(recompute, gen, rewritten):
     backend = compile_by_name(lora_mlp, {"upcast_linear": {"recompute_gated_input": recompute}}, *lora_inputs(gen))
-    assert refined(backend).get("upcast_linear", 0) == int(recompute)
+    # besides the gate/up adapters' grouping (2 refined)
+    assert refined(backend).get("upcast_linear", 0) == int(recompute) + 2
     assert len(calls(rewritten, OPS.upcast_linear_gated.default)) == int(recompute)
 
 

@@ -84,11 +84,12 @@ if HAS_TRITON:
 
     @triton.jit
     def upcast_linear_dx_kernel(dy_ptr, w_ptr, dx_ptr, base_ptr, wide_ptr, scale, n_rows, n_in, n_out,
-                                w_stride_out, w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                dy_row_stride, w_stride_out, w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 OUT_P: tl.constexpr, PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
                                 ROUND_TERM: tl.constexpr, HAS_WIDE: tl.constexpr, ROW_TILES: tl.constexpr):  # fmt: skip
         # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
-        # strides); with HAS_BASE: (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
+        # strides, dy at any row stride: a LoRA A output shared by several adapters, sliced); with HAS_BASE:
+        # (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
         # with ROUND_TERM the term rounded to dx's dtype first, as peft's bitsandbytes layers add it; HAS_WIDE
         # also stores the unrounded fp32 value (fuser::lora_sum_wide: what a gated op computes its product from).
         # A program loads its columns of W once and computes ROW_TILES consecutive row tiles with them (each
@@ -101,7 +102,7 @@ if HAS_TRITON:
         for tile in range(ROW_TILES):
             rows = (tl.program_id(0) * ROW_TILES + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < n_rows
-            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
+            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * dy_row_stride + outs[None, :],
                          mask=row_ok[:, None] & out_ok[None, :], other=0.0)  # fmt: skip
             dx = tl.dot(dy, w, input_precision=PRECISION)
             offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
@@ -117,9 +118,9 @@ if HAS_TRITON:
                 tl.store(wide_ptr + offsets, dx, mask=mask)
 
     @triton.jit
-    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, scale, n_rows, n_in, n_out, x_row_stride,
-                                rows_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_P: tl.constexpr,
-                                PRECISION: tl.constexpr):  # fmt: skip
+    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, scale, n_rows, n_in, n_out, dy_row_stride,
+                                x_row_stride, rows_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                OUT_P: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
         # partial[split, :, cols] = scale · dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
@@ -130,7 +131,7 @@ if HAS_TRITON:
         for r0 in range(0, rows_per_split, BLOCK_M):
             rows = first + r0 + tl.arange(0, BLOCK_M)
             row_ok = (rows < n_rows) & (r0 + tl.arange(0, BLOCK_M) < rows_per_split)
-            dy_t = tl.load(dy_ptr + rows[None, :].to(tl.int64) * n_out + outs[:, None],
+            dy_t = tl.load(dy_ptr + rows[None, :].to(tl.int64) * dy_row_stride + outs[:, None],
                            mask=out_ok[:, None] & row_ok[None, :], other=0.0)  # fmt: skip
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
@@ -242,7 +243,7 @@ def _dx_triton(
     ``base + (scale · (dy @ weight)).to(dtype)``, the term rounded first). ``out`` (contiguous, ``[rows, in]``
     elements of ``dtype``) receives the result, and may be ``base`` itself: each tile reads its base before it
     writes the same tile. ``wide_out`` (contiguous fp32, ``[rows, in]``) also receives the unrounded result."""
-    dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+    dy2 = as_rows(dy)
     n_rows, n_out = dy2.shape
     n_in = weight.shape[1]
     dx = _alloc(n_rows, n_in, dtype=dtype, device=dy.device) if out is None else out.view(n_rows, n_in)
@@ -251,8 +252,8 @@ def _dx_triton(
         grid = (cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), cdiv(n_in, cfg["BLOCK_N"]))
         upcast_linear_dx_kernel[grid](
             dy2, weight, dx, dx if base is None else base, dx if wide_out is None else wide_out, float(scale),
-            n_rows, n_in, n_out, weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out), HAS_BASE=base is not None,
-            ROUND_TERM=round_term, HAS_WIDE=wide_out is not None, **cfg,
+            n_rows, n_in, n_out, dy2.stride(0), weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out),
+            HAS_BASE=base is not None, ROUND_TERM=round_term, HAS_WIDE=wide_out is not None, **cfg,
         )  # fmt: skip
     return dx.view(*dy.shape[:-1], n_in)
 
@@ -260,7 +261,7 @@ def _dx_triton(
 def _dw_triton(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, transposed: bool = False) -> torch.Tensor:
     """``scale · (dyᵀ @ x)`` in fp32, ``[dy's columns, x's columns]`` (``transposed``: its transpose, contiguous),
     the scale applied to each row split's partial sum, before their (fixed-order) sum."""
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]).contiguous(), as_rows(x)
+    dy2, x2 = as_rows(dy), as_rows(x)
     n_rows, n_out = dy2.shape
     n_in = x2.shape[1]
     out_p = _out_p(n_out)
@@ -277,8 +278,9 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, transposed
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
         upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
-            dy2, x2, partial, float(scale), n_rows, n_in, n_out, x2.stride(0), rows_per_split, OUT_P=out_p, **cfg
-        )
+            dy2, x2, partial, float(scale), n_rows, n_in, n_out, dy2.stride(0), x2.stride(0), rows_per_split,
+            OUT_P=out_p, **cfg,
+        )  # fmt: skip
     else:
         partial.zero_()
     if not transposed:

@@ -11,9 +11,16 @@ the product from gate and up, which the gated op saves for its own backward anyw
 ([tokens, intermediate], the widest activation of a layer) is no longer saved. Not when the gated op absorbed
 LoRA sums (then it saves the sums, not its inputs).
 
-Both are switched by :class:`UpcastLinearConfig` (``FuserConfig.upcast_linear``,
+Upcast linears that read the same input (peft's LoRA A of q/k/v, of gate/up: one normalised activation each)
+then become one op on their weights concatenated (``torch.cat``, at most 64 rows in all), its output sliced back
+per adapter: the input is read once instead of once per adapter in the forward and in the weight gradient, and
+the backward writes one ``dx`` (the adapters' terms summed in fp32, rounded once) instead of one per adapter, each
+rounded and then added. Fewer, wider kernels and op calls. The values are the same dots; ``x``'s gradient is
+rounded once instead of once per adapter.
+
+All are switched by :class:`UpcastLinearConfig` (``FuserConfig.upcast_linear``,
 ``options={"upcast_linear": {...}}``): ``triton`` is passed to the op as ``allow_triton=`` (and to lora_sum's,
-which runs the same kernels), ``recompute_gated_input`` decides the refinement.
+which runs the same kernels), ``recompute_gated_input`` and ``group_shared_inputs`` decide the refinements.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx
 
 import fuser.kernels.upcast_linear  # noqa: F401  (registers torch.ops.fuser.upcast_linear)
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, V
+from fuser.engine.rewrite import copy_source_meta
+from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
 from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import plain_gated_product, swap_in_gated_linear
@@ -43,10 +53,14 @@ class UpcastLinearConfig:
                             keeps cuBLAS's fp32 matmuls. Default ``True`` (3–5x faster on the H200).
     recompute_gated_input:  an upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection)
                             recomputes the product in its backward instead of saving it. Default ``True``.
+    group_shared_inputs:    upcast linears of one input (peft's LoRA A of q/k/v, of gate/up) become one op on
+                            their concatenated weights (at most 64 rows), its output sliced per adapter: the input
+                            read once each way, one ``dx``. Default ``True``.
     """
 
     triton: bool = True
     recompute_gated_input: bool = True
+    group_shared_inputs: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "upcast_linear")
@@ -94,4 +108,80 @@ def recompute_gated_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
     return n
 
 
-UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=recompute_gated_inputs)
+def _groups(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """``nodes`` (in graph order) in consecutive runs of at most ``TRITON_MAX_OUT`` weight rows in all."""
+    groups: list[list[torch.fx.Node]] = []
+    rows = 0
+    for node in nodes:
+        n = tensor_meta(node.args[1]).shape[0]
+        if groups and rows + n <= TRITON_MAX_OUT:
+            groups[-1].append(node)
+            rows += n
+        else:
+            groups.append([node])
+            rows = n
+    return [g for g in groups if len(g) > 1]
+
+
+def _groupable(node: torch.fx.Node) -> bool:
+    """A plain ``fuser::upcast_linear(x, W, None)``: no bias, a 2-D fp32 weight of static rows (≤ 64) with its
+    metadata, defined before the call (a graph input: the weights can move up to the group's first call)."""
+    if node.op != "call_function" or node.target is not torch.ops.fuser.upcast_linear.default:
+        return False
+    if len(node.args) != 3 or node.args[2] is not None or set(node.kwargs) - {"allow_triton"}:
+        return False
+    weight, example = node.args[1], tensor_meta(node)
+    w = tensor_meta(weight)
+    if w is None or example is None or w.dim() != 2 or not isinstance(w.shape[0], int):
+        return False
+    graph_input = isinstance(weight, torch.fx.Node) and weight.op in ("placeholder", "get_attr")
+    return graph_input and w.shape[0] <= TRITON_MAX_OUT
+
+
+def group_shared_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
+    """``upcast_linear(x, W_i)`` for several ``W_i`` of one ``x`` (and the same options) → ``y =
+    upcast_linear(x, cat(W_i))`` and ``narrow(y, -1, …)`` in each one's place, unless
+    ``config.upcast_linear.group_shared_inputs`` is off; returns how many calls were grouped."""
+    if not config.upcast_linear.group_shared_inputs:
+        return 0
+    by_input: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if _groupable(node):
+            by_input.setdefault((node.args[0], tuple(sorted(node.kwargs.items()))), []).append(node)
+    n = 0
+    for nodes in by_input.values():
+        for group in _groups(nodes):
+            _merge(graph, group)
+            n += len(group)
+    return n
+
+
+def _merge(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
+    first = group[0]
+    weights = [node.args[1] for node in group]
+    with graph.inserting_before(first):
+        cat = graph.call_function(torch.cat, (weights, 0))
+        merged = graph.call_function(torch.ops.fuser.upcast_linear.default, (first.args[0], cat, None),
+                                     dict(first.kwargs))  # fmt: skip
+    cat.meta["example_value"] = torch.cat([tensor_meta(w) for w in weights], 0)
+    merged.meta["example_value"] = torch.cat([tensor_meta(node) for node in group], -1)
+    copy_source_meta(first, cat, merged)
+    start = 0
+    for node in group:
+        rows = tensor_meta(node.args[1]).shape[0]
+        with graph.inserting_after(merged):
+            piece = graph.call_function(torch.narrow, (merged, -1, start, rows))
+        piece.meta["example_value"] = merged.meta["example_value"].narrow(-1, start, rows)
+        copy_source_meta(node, piece)
+        node.replace_all_uses_with(piece)
+        graph.erase_node(node)
+        start += rows
+
+
+def refine_upcast_linears(graph: torch.fx.Graph, config: FuserConfig) -> int:
+    """The upcast linears' refinements, as ``config.upcast_linear`` asks: the gated input recomputed, then the
+    shared inputs grouped."""
+    return recompute_gated_inputs(graph, config) + group_shared_inputs(graph, config)
+
+
+UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=refine_upcast_linears)

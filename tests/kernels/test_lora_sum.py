@@ -113,6 +113,38 @@ def test_triton_kernels_match_fp64(lead, rank, n_out, gpu_tiles, gen, triton_pat
 
 
 @interpreter
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu tiles", "gpu tiles"])
+def test_a_sliced_from_a_shared_adapter_output(gpu_tiles, gen, triton_path, monkeypatch):
+    """``a`` as one adapter's columns of a wider LoRA A output (``fuser::upcast_linear`` on q/k/v's concatenated
+    weights, narrowed per adapter): the kernels read it at its row stride, in place, to the same bounds."""
+    if gpu_tiles:
+        monkeypatch.setattr(U, "_CPU_CONFIGS", U.CONFIGS)
+    wide = torch.randn(3, 50, 24, generator=gen)
+    a = wide.narrow(-1, 8, 8).requires_grad_()
+    assert not a.is_contiguous() and U.as_rows(a).data_ptr() == a.data_ptr()
+    read = []  # the address each dx / dW kernel launch reads its ``dy`` (here: a) from
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: read.append(args[0].data_ptr()) or self.kernel[grid](*args, **kw)
+
+    for name in ("upcast_linear_dx_kernel", "upcast_linear_dw_kernel"):
+        monkeypatch.setattr(U, name, Spy(getattr(U, name)))
+    base, _, w = leaves(gen, (3, 50), 8, 40, torch.float16)
+    g = torch.randn(3, 50, 40, generator=gen).to(torch.float16)
+    out = lora_sum(base, a, w, 0.5)
+    out.backward(g)
+    assert triton_path == ["_dx_triton", "_forward_triton", "_dw_triton"], triton_path
+    assert read == [a.data_ptr()] * 2, "a was copied before a kernel read it"
+    exact, dbase, da, dw = fp64_reference(base, a, w, 0.5, g)
+    within_one_rounding(out, exact, base, a, w, 0.5)
+    assert rel(a.grad, da) < 1e-6 and rel(w.grad, dw) < 1e-6, (rel(a.grad, da), rel(w.grad, dw))
+
+
+@interpreter
 def test_triton_kernels_equal_the_reference_path_to_fp32_rounding(gen, triton_path, monkeypatch):
     base, a, w = leaves(gen, (3, 50), 16, 48, torch.float16)
     g = torch.randn(3, 50, 48, generator=gen).to(torch.float16)

@@ -45,11 +45,12 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build):
     loss, grads = lora_step(build(), AOT)
     # lora_sum's refinements (issue 16), per layer: the gate and up sums keep their fp32 value for the gated op, the
     # o and down sums stay fp32 into their residual adds, the q and k sums into RoPE, and the v sum, stored
-    # rounded for attention, adds to the base's fp32 output (LoraSumConfig.fp32_base)
-    assert refined(AOT, since) == {"upcast_linear": N_LAYERS, "lora_sum": 7 * N_LAYERS}
+    # rounded for attention, adds to the base's fp32 output (LoraSumConfig.fp32_base); besides the recompute, the
+    # LoRA A of q/k/v and of gate/up share one op each (UpcastLinearConfig.group_shared_inputs): 5 per layer
+    assert refined(AOT, since) == {"upcast_linear": N_LAYERS + 5 * N_LAYERS, "lora_sum": 7 * N_LAYERS}
     torch._dynamo.reset()
     loss_off, grads_off = lora_step(build(), AOT_NO_RECOMPUTE)
-    assert refined(AOT_NO_RECOMPUTE) == {"lora_sum": 7 * N_LAYERS}
+    assert refined(AOT_NO_RECOMPUTE) == {"upcast_linear": 5 * N_LAYERS, "lora_sum": 7 * N_LAYERS}
     assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
     for name, g in grads.items():
         if "down_proj.lora_A" in name:
@@ -67,7 +68,7 @@ def test_not_when_the_gated_op_absorbed_the_lora_sums():
     since = len(fuser.backend(config).results)
     lora_step(lora_model(), config)
     assert sum(r.counts.get("swiglu", 0) for r in fuser.backend(config).results[since:]) == N_LAYERS
-    assert refined(config, since) == {}
+    assert refined(config, since) == {"upcast_linear": 5 * N_LAYERS}  # the shared-input groups only
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])

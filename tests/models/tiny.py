@@ -77,14 +77,15 @@ def lora_step(model: torch.nn.Module, config=None) -> tuple[torch.Tensor, dict[s
     return out.loss.detach(), found
 
 
-def assert_step_as_close_to_fp32_as_eager(dtype: torch.dtype, config) -> None:
-    """One ``lora_model(dtype)`` step through fuser (``config``) against the same model in fp32 and eagerly in
-    ``dtype``: the loss, and the LoRA gradients summed over the model, at least as close to fp32's as eager's;
-    each gradient within 2x eager's distance. One gradient's half-precision error is one draw of rounding noise: on
-    this model, over build seeds 0-3, fuser's ratio to eager's for single LoRA gradients reached 1.62 before the v
-    sums' fp32 bases (issue 16) and 1.64 after (CPU, bf16), while the sums over the model were smaller than eager's
-    in every seed. A wrong gradient is off by about its own size, far past either bar."""
-    model = lora_model(dtype)
+def assert_step_as_close_to_fp32_as_eager(dtype: torch.dtype, config, model: torch.nn.Module | None = None) -> None:
+    """One ``lora_model(dtype)`` (or ``model``'s, a LoRA model in ``dtype``) step through fuser (``config``) against
+    the same model in fp32 and eagerly in ``dtype``: the loss, and the LoRA gradients summed over the model, at least
+    as close to fp32's as eager's; each gradient within 2x eager's distance. One gradient's half-precision error is
+    one draw of rounding noise: on this model, over build seeds 0-3, fuser's ratio to eager's for single LoRA
+    gradients reached 1.62 before the v sums' fp32 bases (issue 16) and 1.64 after (CPU, bf16), while the sums over
+    the model were smaller than eager's in every seed. A wrong gradient is off by about its own size, far past either
+    bar."""
+    model = lora_model(dtype) if model is None else model
     loss32, grads32 = lora_step(copy.deepcopy(model).float())  # the same values, computed in fp32
     loss16, grads16 = lora_step(copy.deepcopy(model))
     loss, got = lora_step(model, config)
