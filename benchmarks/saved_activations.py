@@ -1,11 +1,12 @@
 """Bytes a training step saves for the backward, per decoder layer and token, as Inductor's partitioner chooses
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
-(``options={"upcast_linear": {"recompute_gated_input": False}}``), fuser; or (``--job llama32-1b-full``) a
-Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without the down projection's recompute
-(``options={"gated_mlp": {"recompute_for_down_weight": False}}``), fuser; each job also with causal_attention's
-grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``). Runs on a CPU (the partition depends
-on the graph, not on the device); 1 and 2 layers at batch 2×64, the difference is one layer.
+(``options={"upcast_linear": {"recompute_gated_input": False}}``), fuser, fuser with ``rms_norm_linear``
+(opt-in); or (``--job llama32-1b-full``) a Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without
+the down projection's recompute (``options={"gated_mlp": {"recompute_for_down_weight": False}}``), fuser; each
+job also with causal_attention's grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``). Runs
+on a CPU (the partition depends on the graph, not on the device); 1 and 2 layers at batch 2×64, the difference
+is one layer.
 
     python benchmarks/saved_activations.py [--job llama3-8b-lora | llama32-1b-full] [--out FILE]
 """
@@ -78,7 +79,15 @@ def saved_for_backward(
 
 
 GQA = "fuser with causal_attention.gqa_fold"  # causal_attention's grouped-query fold (off by default)
-MODES = ("compile", "fuser without upcast_linear", "fuser without the gated-input recompute", "fuser", GQA)
+WITH_NORM_LINEAR = "fuser with rms_norm_linear"
+MODES = (
+    "compile",
+    "fuser without upcast_linear",
+    "fuser without the gated-input recompute",
+    "fuser",
+    WITH_NORM_LINEAR,
+    GQA,
+)
 FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser", GQA)
 # a job of jobs.JOBS → its title; the layers are its checkpoint's widths, the vocabulary a small one
 TITLES = {
@@ -107,8 +116,12 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
         model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
     model.train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    patterns = [p for n, p in PATTERNS.items() if mode != "compile" and (mode != MODES[1] or n != "upcast_linear")]
+    names = {name for name, p in PATTERNS.items() if p.default}
+    names |= {"rms_norm_linear"} if mode == WITH_NORM_LINEAR else set()
+    names -= {"upcast_linear"} if mode == MODES[1] else set()
+    patterns = [p for n, p in PATTERNS.items() if mode != "compile" and n in names]
     fuser_config = FuserConfig(
+        patterns=tuple(p.name for p in patterns) if patterns else None,
         upcast_linear={"recompute_gated_input": mode != MODES[2]},
         gated_mlp={"recompute_for_down_weight": mode != FULL_MODES[1]},
         causal_attention={"gqa_fold": mode == GQA},

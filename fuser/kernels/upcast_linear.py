@@ -118,14 +118,19 @@ if HAS_TRITON:
                 tl.store(wide_ptr + offsets, dx, mask=mask)
 
     @triton.jit
-    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, scale, n_rows, n_in, n_out, dy_row_stride,
-                                x_row_stride, rows_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                OUT_P: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-        # partial[split, :, cols] = scale · dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums
+    def upcast_linear_dw_kernel(dy_ptr, x_ptr, partial_ptr, rstd_ptr, nw_ptr, scale, offset, n_rows, n_in, n_out,
+                                dy_row_stride, x_row_stride, rows_per_split, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, OUT_P: tl.constexpr, PRECISION: tl.constexpr,
+                                NORM: tl.constexpr = False, HAS_NW: tl.constexpr = False):  # fmt: skip
+        # partial[split, :, cols] = scale · dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums; with
+        # NORM, x is an RMSNorm's input and the dot reads its output instead, rebuilt as the norm's kernel computes
+        # it: (x · rstd[row] · (w[col] + offset)) in fp32, rounded to x's dtype (fuser::upcast_linear_normed)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         outs = tl.arange(0, OUT_P)
         col_ok, out_ok = cols < n_in, outs < n_out
+        if NORM and HAS_NW:
+            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
         acc = tl.zeros((OUT_P, BLOCK_N), tl.float32)
         first = split * rows_per_split
         for r0 in range(0, rows_per_split, BLOCK_M):
@@ -135,6 +140,12 @@ if HAS_TRITON:
                            mask=out_ok[:, None] & row_ok[None, :], other=0.0)  # fmt: skip
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+            if NORM:
+                rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+                normed = x.to(tl.float32) * rstd[:, None]
+                if HAS_NW:
+                    normed = normed * nw[None, :]
+                x = normed.to(x_ptr.dtype.element_ty)
             acc += tl.dot(dy_t, x.to(tl.float32), input_precision=PRECISION)
         tl.store(partial_ptr + split.to(tl.int64) * OUT_P * n_in + outs[:, None] * n_in + cols[None, :], acc * scale,
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -258,9 +269,17 @@ def _dx_triton(
     return dx.view(*dy.shape[:-1], n_in)
 
 
-def _dw_triton(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, transposed: bool = False) -> torch.Tensor:
+def _dw_triton(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    scale: float = 1.0,
+    transposed: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
+) -> torch.Tensor:
     """``scale · (dyᵀ @ x)`` in fp32, ``[dy's columns, x's columns]`` (``transposed``: its transpose, contiguous),
-    the scale applied to each row split's partial sum, before their (fixed-order) sum."""
+    the scale applied to each row split's partial sum, before their (fixed-order) sum. ``norm = (rstd, weight,
+    offset)``: ``x`` is an RMSNorm's input, and the product reads the norm's output rebuilt from it (see
+    :func:`normed_reference`)."""
     dy2, x2 = as_rows(dy), as_rows(x)
     n_rows, n_out = dy2.shape
     n_in = x2.shape[1]
@@ -277,9 +296,11 @@ def _dw_triton(dy: torch.Tensor, x: torch.Tensor, scale: float = 1.0, transposed
     rows_per_split, splits = _even_splits(n_rows, max_splits, block_m)
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
+        rstd, nw, offset = norm if norm is not None else (partial, None, 0.0)
         upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
-            dy2, x2, partial, float(scale), n_rows, n_in, n_out, dy2.stride(0), x2.stride(0), rows_per_split,
-            OUT_P=out_p, **cfg,
+            dy2, x2, partial, rstd.reshape(-1), partial if nw is None else nw, float(scale), float(offset), n_rows,
+            n_in, n_out, dy2.stride(0), x2.stride(0), rows_per_split, OUT_P=out_p, NORM=norm is not None,
+            HAS_NW=nw is not None, **cfg,
         )  # fmt: skip
     else:
         partial.zero_()
@@ -318,12 +339,19 @@ def _(x, weight, bias, allow_triton=True):
     return _fake_out(x, weight)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias = inputs[:3]
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-    ctx.allow_triton = inputs[3] if len(inputs) > 3 else True  # absent when left at its default
+def _linear_context(ctx, inputs, bias_at: int) -> None:
+    """What every upcast linear's backward reads besides its saved tensors: whether it has a bias (at
+    ``inputs[bias_at]``), ``allow_triton`` (the argument after it, absent when left at its default), and how many
+    inputs to return gradients for."""
+    ctx.has_bias = inputs[bias_at] is not None
+    ctx.allow_triton = inputs[bias_at + 1] if len(inputs) > bias_at + 1 else True
     ctx.n_inputs = len(inputs)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight = inputs[:2]
+    ctx.save_for_backward(x, weight)
+    _linear_context(ctx, inputs, 2)
 
 
 @torch.library.custom_op("fuser::upcast_linear_grads", mutates_args=())
@@ -390,9 +418,7 @@ def _gated_setup_context(ctx, inputs, output):
     x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs[:8]
     ctx.save_for_backward(gate, up, weight)
     ctx.gated = (gate_scale, up_scale, activation)
-    ctx.has_bias = bias is not None
-    ctx.allow_triton = inputs[8] if len(inputs) > 8 else True  # absent when left at its default
-    ctx.n_inputs = len(inputs)
+    _linear_context(ctx, inputs, 4)
 
 
 @torch.library.custom_op(
@@ -483,6 +509,93 @@ def _gated_backward(ctx, dy):
 
 
 upcast_linear_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same op on an RMSNorm's output, which its backward rebuilds from the norm's input instead of saving it
+# ---------------------------------------------------------------------------------------------------------
+
+_NORMED_ARGS = "Tensor h, Tensor rstd, Tensor? norm_weight, float offset"
+
+
+def normed_reference(h: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor | None, offset: float):
+    """An RMSNorm's output rebuilt from its input ``h`` and the ``rstd`` its forward computed, as fuser's norm
+    kernel computes it (``fuser::rms_norm`` with ``norm_dtype=None``): ``h · rstd · (w + offset)`` in fp32, rounded
+    to h's dtype."""
+    y = h.to(torch.float32) * rstd.unsqueeze(-1)
+    if norm_weight is not None:
+        y = y * (norm_weight.to(torch.float32) + offset)
+    return y.to(h.dtype)
+
+
+@torch.library.custom_op(
+    "fuser::upcast_linear_normed",
+    mutates_args=(),
+    schema=f"(Tensor x, {_NORMED_ARGS}, Tensor weight, Tensor? bias, bool allow_triton=True) -> Tensor",
+)
+def upcast_linear_normed_op(x, h, rstd, norm_weight, offset, weight, bias, allow_triton=True):
+    """``upcast_linear(x, weight, bias, allow_triton)`` where ``x`` is an RMSNorm's output, ``h`` its input and
+    ``rstd`` the statistic its forward computed (peft's LoRA A of the projections a norm feeds: the
+    ``rms_norm_linear`` pattern). The backward saves ``h`` and ``rstd`` (which the norm's own backward saves
+    anyway) instead of ``x``, and the weight gradient reads ``x`` rebuilt from them (:func:`normed_reference`; on
+    the Triton path inside the weight-gradient kernel, never written). Where the norm computed ``x`` from a value
+    more precise than ``h`` (an unrounded residual sum, whose rounding ``h`` is), the rebuilt ``x`` is the norm of
+    ``h``: what eager's graph computes there."""
+    return _upcast_linear(x, weight, bias, allow_triton)
+
+
+@upcast_linear_normed_op.register_fake
+def _(x, h, rstd, norm_weight, offset, weight, bias, allow_triton=True):
+    return _fake_out(x, weight)
+
+
+def _normed_setup_context(ctx, inputs, output):
+    x, h, rstd, norm_weight, offset, weight = inputs[:6]
+    ctx.save_for_backward(h, rstd, norm_weight, weight)
+    ctx.offset = offset
+    _linear_context(ctx, inputs, 6)
+
+
+@torch.library.custom_op(
+    "fuser::upcast_linear_normed_grads",
+    mutates_args=(),
+    schema=(
+        f"(Tensor dy, {_NORMED_ARGS}, Tensor weight, bool need_x, bool need_w, bool allow_triton=True)"
+        " -> (Tensor, Tensor)"
+    ),
+)
+def upcast_linear_normed_grads(dy, h, rstd, norm_weight, offset, weight, need_x, need_w, allow_triton=True):
+    """``upcast_linear_grads`` with x rebuilt from the norm's input ``h`` and ``rstd`` where dW needs it: in the
+    weight-gradient kernel on the Triton path, else whole (a transient ``[tokens, in]`` tensor)."""
+    dx = upcast_linear_grads(dy, h, weight, True, False, allow_triton)[0] if need_x else h.new_empty(0)
+    dw = weight.new_empty(0)
+    if need_w:
+        if triton_path(h, weight, allow_triton):
+            dw = _dw_triton(dy, h, norm=(rstd, norm_weight, offset))
+        else:
+            x = normed_reference(h, rstd, norm_weight, offset)
+            dw = upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
+    return dx, dw
+
+
+@upcast_linear_normed_grads.register_fake
+def _(dy, h, rstd, norm_weight, offset, weight, need_x, need_w, allow_triton=True):
+    dx = h.new_empty(h.shape) if need_x else h.new_empty(0)
+    return dx, weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
+
+
+def _normed_backward(ctx, dy):
+    h, rstd, norm_weight, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+    dx = dw = None
+    if need_x or need_w:
+        dx, dw = torch.ops.fuser.upcast_linear_normed_grads(dy, h, rstd, norm_weight, ctx.offset, weight, need_x,
+                                                            need_w, ctx.allow_triton)  # fmt: skip
+    db = _bias_grad(dy) if need_b and ctx.has_bias else None
+    return (dx if need_x else None), None, None, None, None, (dw if need_w else None), db, *[None] * (ctx.n_inputs - 7)
+
+
+upcast_linear_normed_op.register_autograd(_normed_backward, setup_context=_normed_setup_context)
 
 
 def upcast_linear(

@@ -316,3 +316,76 @@ def test_gated_grads_acc_opcheck(gen):
     dy, gate, up, w = big_gated_inputs(gen, torch.bfloat16, rows=9)
     args = (torch.randn(9, 40, generator=gen).bfloat16(), dy, gate, up, w, 1.0, 1.0, "silu", True)
     torch.library.opcheck(torch.ops.fuser.upcast_linear_gated_grads_acc_.default, args)
+
+
+# --- fuser::upcast_linear_normed: x an RMSNorm's output, rebuilt from the norm's input in the backward ----------
+
+
+def normed_leaves(gen, dtype, lead=(3, 50), n_in=40, n_out=12, weight=True, offset=0.0):
+    """h, the norm weight, and x = fuser's rms_norm(h) with its rstd (the op's inputs as the refinement wires them)."""
+    h = torch.randn(*lead, n_in, generator=gen).to(dtype)
+    nw = (1.0 + 0.1 * torch.randn(n_in, generator=gen)).to(dtype) if weight else None
+    x, rstd = torch.ops.fuser.rms_norm(h, nw, 1e-6, offset, None, None)
+    w = (0.1 * torch.randn(n_out, n_in, generator=gen)).requires_grad_()
+    return h, nw, x.detach().requires_grad_(), rstd, w
+
+
+@pytest.mark.parametrize("weight, offset", [(True, 0.0), (True, 1.0), (False, 0.0)], ids=["llama", "gemma", "none"])
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_normed_op_rebuilds_the_norms_output_and_matches_upcast_linear(path, weight, offset, gen, request):
+    """The rebuilt x is the norm's output bit for bit; forward, dx and dW equal upcast_linear's on that x (dW on the
+    Triton path rebuilt inside its kernel: equal to the kernel fed the rebuilt x)."""
+    if path == "triton":
+        if not (HAS_TRITON and interpreting()):
+            pytest.skip("the Triton path runs on CPU only through the Triton interpreter")
+        launched = request.getfixturevalue("triton_path")
+    h, nw, x, rstd, w = normed_leaves(gen, torch.float16, weight=weight, offset=offset)
+    assert torch.equal(module.normed_reference(h, rstd, nw, offset), x.detach())
+    dy = torch.randn(3, 50, 12, generator=gen)
+    out = torch.ops.fuser.upcast_linear_normed(x, h, rstd, nw, offset, w, None)
+    out.backward(dy)
+    got = (out.detach(), x.grad, w.grad)
+    x.grad = w.grad = None
+    ref = upcast_linear(x, w)
+    ref.backward(dy)
+    assert torch.equal(got[0], ref.detach()) and torch.equal(got[1], x.grad)
+    assert torch.equal(got[2], w.grad)
+    if path == "triton":
+        assert launched.count("_dw_triton") == 2, launched
+    # and against fp64: the weight gradient of the norm's output within fp32 rounding
+    exact = dy.double().reshape(-1, 12).t() @ x.detach().double().reshape(-1, 40)
+    torch.testing.assert_close(got[2].double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_normed_op_saves_the_norms_input_not_its_output(gen):
+    h, nw, x, rstd, w = normed_leaves(gen, torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.ops.fuser.upcast_linear_normed(x, h, rstd, nw, 0.0, w, None)
+    assert any(t is h for t in saved) and not any(t.data_ptr() == x.data_ptr() for t in saved)
+
+
+def test_normed_op_opcheck(gen):
+    h, nw, x, rstd, w = normed_leaves(gen, torch.bfloat16)
+    torch.library.opcheck(torch.ops.fuser.upcast_linear_normed.default, (x, h, rstd, nw, 0.0, w, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank, offset", [(48, 0.0), (32, 1.0)], ids=["q/k/v r16 grouped", "gate/up, (1 + w)"])
+def test_gpu_normed_op_at_llama_shapes(rank, offset):
+    """On the GPU at Llama-3-8B widths (8192 rows × 4096): the norm's output rebuilt in the weight-gradient kernel
+    gives the very dW of the kernel fed the norm's output (the same rounded values, the same dot), within fp32
+    rounding of fp64."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4, 2048, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    nw = (1.0 + 0.1 * torch.randn(4096, device="cuda", generator=gen)).to(torch.bfloat16)
+    y, rstd = torch.ops.fuser.rms_norm(h, nw, 1e-5, offset, None, None)
+    assert torch.equal(module.normed_reference(h, rstd, nw, offset), y)
+    w = 0.02 * torch.randn(rank, 4096, device="cuda", generator=gen)
+    dy = torch.randn(4, 2048, rank, device="cuda", generator=gen)
+    dx, dw = torch.ops.fuser.upcast_linear_normed_grads(dy, h, rstd, nw, offset, w, True, True)
+    dx_ref, dw_ref = torch.ops.fuser.upcast_linear_grads(dy, y, w, True, True)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
+    exact = dy.double().reshape(-1, rank).t() @ y.double().reshape(-1, 4096)
+    err = ((dw.double() - exact).norm() / exact.norm()).item()
+    assert err < 1e-5, err

@@ -263,13 +263,14 @@ def load_saved_activations():
 
 
 def saved_wide_tensors(model: torch.nn.Module, width: int, config=None) -> list[tuple[int, ...]]:
-    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (fuser's default patterns with the
-    options of ``config``, default ``FuserConfig()``; Inductor's partitioner) saves for the backward:
+    """Shapes of the bf16 tensors of last dim ``width`` that a step of ``model`` (the patterns and options of
+    ``config``, default ``FuserConfig()``; Inductor's partitioner) saves for the backward:
     ``benchmarks/saved_activations.py``'s count."""
     import fuser
 
     ids = torch.randint(0, 128, (2, 8))
-    patterns = [fuser.patterns.PATTERNS[name] for name in fuser.DEFAULT_PATTERNS]
+    enabled = config or fuser.FuserConfig()
+    patterns = [pattern for name, pattern in fuser.patterns.PATTERNS.items() if enabled.enabled(name)]
     saved = load_saved_activations().saved_for_backward(
         model, (), {"input_ids": ids, "labels": ids}, patterns, config=config
     )
