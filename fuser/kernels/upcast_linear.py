@@ -339,19 +339,19 @@ def _(x, weight, bias, allow_triton=True):
     return _fake_out(x, weight)
 
 
-def _linear_context(ctx, inputs, bias_at: int) -> None:
+def _linear_context(ctx, inputs, bias_at: int, allow_triton_at: int) -> None:
     """What every upcast linear's backward reads besides its saved tensors: whether it has a bias (at
-    ``inputs[bias_at]``), ``allow_triton`` (the argument after it, absent when left at its default), and how many
-    inputs to return gradients for."""
+    ``inputs[bias_at]``), ``allow_triton`` (``inputs[allow_triton_at]``, its last argument: absent when left at its
+    default), and how many inputs to return gradients for."""
     ctx.has_bias = inputs[bias_at] is not None
-    ctx.allow_triton = inputs[bias_at + 1] if len(inputs) > bias_at + 1 else True
+    ctx.allow_triton = inputs[allow_triton_at] if len(inputs) > allow_triton_at else True
     ctx.n_inputs = len(inputs)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight = inputs[:2]
     ctx.save_for_backward(x, weight)
-    _linear_context(ctx, inputs, 2)
+    _linear_context(ctx, inputs, 2, 3)
 
 
 @torch.library.custom_op("fuser::upcast_linear_grads", mutates_args=())
@@ -418,7 +418,7 @@ def _gated_setup_context(ctx, inputs, output):
     x, gate, up, weight, bias, gate_scale, up_scale, activation = inputs[:8]
     ctx.save_for_backward(gate, up, weight)
     ctx.gated = (gate_scale, up_scale, activation)
-    _linear_context(ctx, inputs, 4)
+    _linear_context(ctx, inputs, 4, 8)
 
 
 @torch.library.custom_op(
@@ -553,7 +553,7 @@ def _normed_setup_context(ctx, inputs, output):
     x, h, rstd, norm_weight, offset, weight = inputs[:6]
     ctx.save_for_backward(h, rstd, norm_weight, weight)
     ctx.offset = offset
-    _linear_context(ctx, inputs, 6)
+    _linear_context(ctx, inputs, 6, 7)
 
 
 @torch.library.custom_op(

@@ -389,3 +389,12 @@ def test_gpu_normed_op_at_llama_shapes(rank, offset):
     exact = dy.double().reshape(-1, rank).t() @ y.double().reshape(-1, 4096)
     err = ((dw.double() - exact).norm() / exact.norm()).item()
     assert err < 1e-5, err
+
+
+@interpreter
+def test_normed_op_allow_triton_false_keeps_the_reference_path(gen, triton_path):
+    """``allow_triton=False`` reaches the backward (the op's last argument): no Triton kernel runs either way."""
+    h, nw, x, rstd, w = normed_leaves(gen, torch.float16)
+    out = torch.ops.fuser.upcast_linear_normed(x, h, rstd, nw, 0.0, w, None, allow_triton=False)
+    out.backward(torch.randn(out.shape, generator=gen))
+    assert triton_path == [] and x.grad is not None and w.grad is not None
