@@ -75,8 +75,12 @@ def test_full_fine_tuning_declines_and_says_why():
     assert any("also reads the normalised value" in r for r in reasons), reasons  # the final norm's slice
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "phi3"])
-def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family):
+@pytest.mark.parametrize(
+    "family, checkpointing",
+    [("llama", False), ("gemma", False), ("phi3", False), ("llama", True)],
+    ids=["llama", "gemma", "phi3", "llama gradient checkpointing"],
+)
+def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family, checkpointing):
     """bf16 LoRA, every pattern, against the same without rms_norm_linear: the loss bit for bit, and every gradient
     but the LoRA A ones of the projections a norm feeds. Those read the norm rebuilt from its saved input: exact for
     a norm of a stored value (the first layer's), and where the norm read an unrounded residual sum (add_rms_norm,
@@ -85,6 +89,8 @@ def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family):
     config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON)
     without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT)
     model = lora(build(family))
+    if checkpointing:  # the norms and their projections inside each layer's nested graph
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     since = len(fuser.backend(config).results)
     loss, got = lora_step(copy.deepcopy(model), config)
     assert sum(r.counts.get("rms_norm_linear", 0) for r in fuser.backend(config).results[since:]) == 2 * N_LAYERS
