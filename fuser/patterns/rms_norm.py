@@ -37,6 +37,7 @@ import torch
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
 from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
+from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
@@ -165,10 +166,6 @@ def _number(value: object) -> str:
 RMS_NORM = Pattern("rms_norm", VARIANTS, check_rms_norm, anchors=frozenset({"rsqrt", "rms_norm"}))
 
 
-# the rank bound of a LoRA A whose weight gradient rebuilds the normalised value (upcast_linear's Triton kernels)
-_LORA_MAX_ROWS = 64
-
-
 def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfig) -> str | None:
     """None when ``user`` reads ``y`` only as the input of linear projections whose backward does not need ``y``
     saved: a frozen weight (a LoRA base, a frozen model), or peft's LoRA A (``linear(y.to(fp32), A)``, A of at
@@ -189,7 +186,7 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
         for lora in user.users:
             a = canonical(lora)
             w = tensor_meta(a.args[1]) if a is not None and a.op == "linear" and a.args[0] is user else None
-            if w is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] > _LORA_MAX_ROWS:
+            if w is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] > TRITON_MAX_OUT:
                 return f"{name} casts the normalised value for `{lora.name}`, which is not a LoRA A projection"
         return None
     what = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", str(user.target))
