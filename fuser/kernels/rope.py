@@ -32,11 +32,12 @@ Forward saves cos and sin only (never rotated copies of q or k). Both directions
 tiles of [heads, pairs] of one token: the program grid runs over (token, head block), the head blocks of q first
 and then those of k, so q and k are rotated in the same launch; each program loads its token's cos/sin once.
 q, k and the gradients are read through all four strides (Hugging Face hands over ``x.view(B, T, H, D)
-.transpose(1, 2)``: nothing is copied); cos/sin through three, size-1 dims read with stride 0. The outputs are
-contiguous. Interleaved pairs are loaded as one contiguous row and split in registers (``tl.split``/``tl.join``)
-rather than by two stride-2 loads, which do not vectorise: compiled for sm_90 (no GPU needed), every layout's q/k
-loads and stores are 8- or 16-byte vector accesses. The launch configuration (tiles of ~1024 pairs, 4 warps) is
-not tuned on a GPU yet.
+.transpose(1, 2)``: nothing is copied); cos/sin through three, size-1 dims read with stride 0. Each output is
+laid out as its input where that is dense (Hugging Face's transposed view gives ``[B, T, H, D]`` storage: see
+``_like``), else contiguous. Interleaved pairs are loaded as one contiguous row and split in registers
+(``tl.split``/``tl.join``) rather than by two stride-2 loads, which do not vectorise: compiled for sm_90 (no GPU
+needed), every layout's q/k loads and stores are 8- or 16-byte vector accesses. The launch configuration (tiles of
+~1024 pairs, 4 warps) is not tuned on a GPU yet.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def _rotate_reference(
     computed in fp32 (fp64 when any operand is fp64) and returned in ``out_dtype`` (None: x's dtype)."""
     out_dtype = out_dtype or x.dtype
     if x.numel() == 0:
-        return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        return _like(x, out_dtype)
     cos, sin, rotary_dim = rotation.cos, rotation.sin, rotation.rotary_dim
     in_pairs, out_pairs = _PAIRING[rotation.layout]
     compute = max((compute_dtype(t) for t in (x, cos, sin)), key=lambda d: d.itemsize)
@@ -181,7 +182,7 @@ def _rotate_reference(
         x_a, x_b = _split(xc, rotary_dim, in_pairs)
         rotated = _join(x_a * cos_p - x_b * sin_p, x_b * cos_o + x_a * sin_o, out_pairs)
     # the pass-through channels are copied as they are (only converted to out_dtype)
-    return torch.cat((rotated.to(out_dtype), x[..., rotary_dim:].to(out_dtype)), dim=-1).contiguous()
+    return _like(x, out_dtype).copy_(torch.cat((rotated.to(out_dtype), x[..., rotary_dim:].to(out_dtype)), dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -467,12 +468,21 @@ def _launch(src: tuple[torch.Tensor, torch.Tensor | None], dst: tuple, rotation:
     )
 
 
+def _like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A result for ``t`` in ``dtype`` (None: t's), laid out as ``t`` is where ``t`` is dense (Hugging Face's
+    ``x.view(B, T, H, D).transpose(1, 2)``: ``[B, T, H, D]`` storage), else contiguous. An attention kernel that
+    allocates its output in its query's layout (cuDNN's, flash's) then returns it in ``[B, T, H, D]`` storage, so
+    the model's ``transpose(1, 2).reshape(B, T, H·D)`` before the output projection is a view, not a copy; the
+    backward's gradients come back the same way to the q/k projections' ``view``/``transpose``."""
+    return torch.empty_like(t, dtype=dtype or t.dtype, memory_format=torch.preserve_format)
+
+
 def _new_out(t: torch.Tensor, dtype: torch.dtype | None, out: torch.Tensor | None) -> torch.Tensor:
-    """A contiguous result of ``t``'s shape in ``dtype`` (None: t's), or the caller's ``out`` buffer after
-    checking it."""
+    """A result of ``t``'s shape in ``dtype`` (None: t's), laid out as :func:`_like` says, or the caller's ``out``
+    buffer after checking it."""
     dtype = dtype or t.dtype
     if out is None:
-        return torch.empty(t.shape, dtype=dtype, device=t.device)
+        return _like(t, dtype)
     if out.shape != t.shape or out.dtype != dtype:
         raise ValueError(
             f"fuser: rope expects an out buffer of shape {tuple(t.shape)} and dtype {dtype}, got "
@@ -496,8 +506,8 @@ def rope_rotate(
     out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Both ops' work: q and k rotated (``backward``: the incoming gradients dq_out and dk_out through the transposed
-    rotation), in fp32 (fp64 for fp64 inputs on the reference path), returned contiguous in ``dtypes`` (q's, k's;
-    None: the input's dtype). k None gives None, a 0-element k an empty result.
+    rotation), in fp32 (fp64 for fp64 inputs on the reference path), returned laid out as their inputs
+    (``_like``) in ``dtypes`` (q's, k's; None: the input's dtype). k None gives None, a 0-element k an empty result.
 
     ``impl``: ``"triton"`` launches the kernel, ``"reference"`` runs the plain-torch formulas (the test oracle),
     ``"auto"`` picks as the ops do. ``out``: buffers for the kernel's results (q's / k's shape and result dtype, any
@@ -529,14 +539,14 @@ def rope_op(
     layout: str,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out), contiguous, in ``out_dtype`` (None: q's / k's dtype); a 0-element k means "rotate q
-    only" and gives a 0-element k_out."""
+    """(q_out, k_out), each laid out as its input (``_like``), in ``out_dtype`` (None: q's / k's dtype); a
+    0-element k means "rotate q only" and gives a 0-element k_out."""
     return rope_rotate(q, k, Rotation(cos, sin, rotary_dim, layout), (out_dtype, out_dtype))
 
 
 def _fake_results(q, k, rotation: Rotation, dtypes, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, rotation, zip(_DTYPE_NAMES[backward], dtypes, strict=True))
-    return tuple(t.new_empty(t.shape, dtype=dtype or t.dtype) for t, dtype in zip((q, k), dtypes, strict=True))
+    return tuple(_like(t, dtype) for t, dtype in zip((q, k), dtypes, strict=True))
 
 
 @rope_op.register_fake
@@ -556,8 +566,8 @@ _BACKWARD_SCHEMA = (
 
 @torch.library.custom_op("fuser::rope_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
 def rope_backward_op(dq_out, dk_out, cos, sin, rotary_dim, layout, dq_dtype=None, dk_dtype=None):
-    """(dq, dk), contiguous, in ``dq_dtype`` / ``dk_dtype`` (None: dq_out's / dk_out's dtype); a 0-element
-    dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
+    """(dq, dk), each laid out as its incoming gradient (``_like``), in ``dq_dtype`` / ``dk_dtype`` (None:
+    dq_out's / dk_out's dtype); a 0-element dk_out (k absent, or its gradient not wanted) gives a 0-element dk."""
     return rope_rotate(dq_out, dk_out, Rotation(cos, sin, rotary_dim, layout), (dq_dtype, dk_dtype), backward=True)
 
 
@@ -632,7 +642,8 @@ def rope(
     broadcastable to ``[B, 1, T, R]``. q, k, cos and sin may each be fp32, bf16 or fp16. ``rotary_dim`` defaults
     to R; channels from it on pass through. ``layout``: ``"half"`` (``rotate_half``), ``"interleaved"`` (GLM) or
     ``"pairs_to_halves"`` (DeepSeek); see the module docstring. The maths runs in fp32; q_out and k_out are
-    contiguous, in ``out_dtype`` (None: q's / k's dtype; eager's ``q * cos + rotate_half(q) * sin`` gives
+    laid out as q and k where those are dense (else contiguous), in ``out_dtype`` (None: q's / k's dtype;
+    eager's ``q * cos + rotate_half(q) * sin`` gives
     ``torch.promote_types(q.dtype, cos.dtype)``). q.grad and k.grad come back in q's and k's dtypes. No gradient
     flows to cos and sin.
     """

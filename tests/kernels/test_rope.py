@@ -574,10 +574,11 @@ def check_op_autograd(model, rotary_fraction, gen, requires_grad=(True, True), w
         rotary_dim=rotary_dim,
         layout=layout,
     )
-    assert q_out.is_contiguous() and q_out.dtype == torch.float32
+    # laid out as HF's input, [B, T, H, D] storage: the attention's output can be too (o_proj's input a view)
+    assert q_out.transpose(1, 2).is_contiguous() and q_out.dtype == torch.float32
     loss = (q_out * probe_q).sum()
     if with_k:
-        assert k_out.is_contiguous() and k_out.dtype == torch.float32
+        assert k_out.transpose(1, 2).is_contiguous() and k_out.dtype == torch.float32
         loss = loss + (k_out * probe_k).sum()
     else:
         assert k_out is None
@@ -732,7 +733,7 @@ def check_op_autograd_mixed(model, q_dtype, cos_dtype, out_dtype, gen, shape=(2,
         layout=layout,
         out_dtype=out_dtype,
     )
-    assert q_out.dtype == k_out.dtype == out_dtype and q_out.is_contiguous()
+    assert q_out.dtype == k_out.dtype == out_dtype and q_out.transpose(1, 2).is_contiguous()
     torch.autograd.backward((q_out, k_out), (probe_q, probe_k))
     assert q_proj.grad.dtype == k_proj.grad.dtype == q_dtype
 
@@ -1034,3 +1035,35 @@ def test_gpu_results_are_deterministic(gen):
     first = run_triton(q, k, cos, sin, dq_out, dk_out, 128, "half")
     second = run_triton(q, k, cos, sin, dq_out, dk_out, 128, "half")
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, n_heads, n_kv_heads", [(64, 32, 8), (128, 32, 8)], ids=["llama-1b", "llama-8b"])
+def test_gpu_attention_output_is_laid_out_for_the_output_projection(head_dim, n_heads, n_kv_heads):
+    """Llama's attention at 4×2048 tokens on the GPU: q and k rotated by fuser's op from the projections' HF views
+    come back in [B, T, H, D] storage, and the causal SDPA call (the kernel PyTorch picks, GQA as the causal rewrite
+    folds it) returns its output in that layout too: ``transpose(1, 2).reshape(B, T, H·D)``, o_proj's input, is a
+    view of the tensor SDPA saves, not a second copy. Its backward's dq and dk come back the same way."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, t = 4, 2048
+
+    def proj(heads):
+        x = torch.randn(b, t, heads * head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        return x.requires_grad_()
+
+    q_proj, k_proj, v_proj = proj(n_heads), proj(n_kv_heads), proj(n_kv_heads)
+    cos = torch.randn(1, t, head_dim, device="cuda", generator=gen)
+    sin = torch.randn(1, t, head_dim, device="cuda", generator=gen)
+
+    def heads(x, n):
+        return x.view(b, t, n, head_dim).transpose(1, 2)
+
+    q, k = rope(heads(q_proj, n_heads), heads(k_proj, n_kv_heads), cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, heads(v_proj, n_kv_heads), is_causal=True, enable_gqa=True
+    )
+    flat = out.transpose(1, 2).reshape(b, t, n_heads * head_dim)
+    assert flat.data_ptr() == out.data_ptr() and flat._base is not None, out.stride()
+    flat.float().square().sum().backward()
+    assert q_proj.grad.is_contiguous() and k_proj.grad.is_contiguous()
