@@ -12,6 +12,7 @@ from fuser.patterns.causal_attention import CausalAttentionConfig
 from fuser.patterns.gated_mlp import GatedMLPConfig
 from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
 from fuser.patterns.lora_sum import LoraSumConfig
+from fuser.patterns.rms_norm import RmsNormLinearConfig
 from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -23,6 +24,7 @@ __all__ = [
     "GatedMLPConfig",
     "LinearCrossEntropyConfig",
     "LoraSumConfig",
+    "RmsNormLinearConfig",
     "UpcastLinearConfig",
 ]
 
@@ -32,7 +34,7 @@ class FuserConfig:
     """What fuser rewrites and what compiles the result.
 
     patterns:        names of the patterns to apply (``None``: every registered pattern that is on by default;
-                     ``fuser.DEFAULT_PATTERNS`` names them: every one today).
+                     ``fuser.DEFAULT_PATTERNS`` names them).
     inner_compiler:  what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
     keep_logits:     when a training graph returns the logits it computes the loss from, keep them: the
                      ``linear_cross_entropy`` pattern then leaves that loss unfused. ``False`` (default): the loss
@@ -52,7 +54,7 @@ class FuserConfig:
 
     linear_cross_entropy:  :class:`LinearCrossEntropyConfig` ``(dw_kernel="cublas", dw_accumulator="input",
                            streams=True)``: how the fused loss accumulates the lm_head's weight gradient.
-    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=False, runtime_check=False)``.
+    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=True, runtime_check=False)``.
     gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
                            for swiglu and geglu.
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
@@ -60,9 +62,11 @@ class FuserConfig:
                            same.
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True)``: a LoRA sum stored rounded adds its term
                            to the base linear's unrounded fp32 output.
+    rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
+                           adapters are taken too.
 
     e.g. ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
-    ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": True}})``.
+    ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": False}})``.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -75,6 +79,7 @@ class FuserConfig:
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
     upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
     lora_sum: LoraSumConfig = field(default_factory=LoraSumConfig)
+    rms_norm_linear: RmsNormLinearConfig = field(default_factory=RmsNormLinearConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:

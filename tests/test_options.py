@@ -23,6 +23,7 @@ from fuser.config import (
     GatedMLPConfig,
     LinearCrossEntropyConfig,
     LoraSumConfig,
+    RmsNormLinearConfig,
     UpcastLinearConfig,
 )
 from fuser.dynamo_backend import FuserBackend
@@ -305,12 +306,13 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     config = fuser.FuserConfig()
     assert config.linear_cross_entropy == LinearCrossEntropyConfig(dw_kernel="cublas", dw_accumulator="input",
                                                                     streams=True)  # fmt: skip
-    assert config.causal_attention == CausalAttentionConfig(gqa_fold=False, runtime_check=False)
+    assert config.causal_attention == CausalAttentionConfig(gqa_fold=True, runtime_check=False)
     assert config.gated_mlp == GatedMLPConfig(recompute_for_down_weight=True, backward_in_place=True)
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
     assert config.lora_sum == LoraSumConfig(fp32_base=True)
+    assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)
     for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
-                    config.lora_sum):  # fmt: skip
+                    config.lora_sum, config.rms_norm_linear):  # fmt: skip
         assert dataclasses.is_dataclass(options)
         with pytest.raises(dataclasses.FrozenInstanceError):
             options.__setattr__(dataclasses.fields(options)[0].name, None)
@@ -378,13 +380,14 @@ def test_options_dataclasses_validate_themselves():
         {"linear_cross_entropy": {"dw_kernel": "triton"}},
         {"linear_cross_entropy": {"dw_accumulator": "fp32"}},
         {"linear_cross_entropy": {"streams": False}},
-        {"causal_attention": {"gqa_fold": True}},
+        {"causal_attention": {"gqa_fold": False}},
         {"causal_attention": {"runtime_check": True}},
         {"gated_mlp": {"recompute_for_down_weight": False}},
         {"gated_mlp": {"backward_in_place": False}},
         {"upcast_linear": {"triton": False}},
         {"upcast_linear": {"recompute_gated_input": False}},
         {"lora_sum": {"fp32_base": False}},
+        {"rms_norm_linear": {"lora": True}},
     ],
     ids=lambda o: ".".join([*o, *next(iter(o.values()))]),
 )

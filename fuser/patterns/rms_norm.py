@@ -29,19 +29,41 @@ residual add over one, the ``lora_sum`` pattern's refinements hand the op the su
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+import fuser.kernels.linear_normed  # noqa: F401  (registers torch.ops.fuser.linear_normed)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
 from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
+from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
+from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
+
+
+@dataclass(frozen=True)
+class RmsNormLinearConfig:
+    """The ``rms_norm_linear`` pattern's switch.
+
+    lora:  also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight
+           gradients rebuild the normalised value from the norm's input and rstd (``fuser::upcast_linear_normed``)
+           instead of saving it. Default ``False``: on the H200 it took Llama-3-8B LoRA's peak from 46.7 to
+           42.8 GiB at 0.7 % fewer tokens/s (benchmarks/results/LOG.md, 2026-12-02 07:20). Under full fine-tuning
+           the pattern needs no switch: there it was both smaller and faster.
+    """
+
+    lora: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rms_norm_linear")
+
 
 h = V("h")
 eps = S("eps")
@@ -166,21 +188,58 @@ def _number(value: object) -> str:
 RMS_NORM = Pattern("rms_norm", VARIANTS, check_rms_norm, anchors=frozenset({"rsqrt", "rms_norm"}))
 
 
+def norm_of(x: object) -> tuple[torch.fx.Node, torch.fx.Node, tuple] | None:
+    """``(norm call, its input h, (norm weight, offset))`` when ``x`` is ``fuser::rms_norm(h, …)[0]`` or
+    ``fuser::add_rms_norm(…)[0]`` (h: its rounded sum, output 2) and the norm's output is what its kernel computes
+    from h, rstd and the weight (no intermediate rounding, h's dtype); None otherwise."""
+    if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
+        return None
+    norm = x.args[0]
+    if not isinstance(norm, torch.fx.Node):
+        return None
+    if norm.target is torch.ops.fuser.rms_norm.default:
+        h, (weight, _, offset, norm_dtype, out_dtype) = norm.args[0], norm.args[1:6]
+    elif norm.target is torch.ops.fuser.add_rms_norm.default:
+        h, (weight, _, offset, norm_dtype, out_dtype) = None, norm.args[2:7]
+    else:
+        return None
+    if norm_dtype is not None or isinstance(offset, torch.fx.Node):
+        return None
+    h_dtype = tensor_meta(norm.args[0] if h is None else h).dtype
+    if out_dtype not in (None, h_dtype) or tensor_meta(x).dtype != h_dtype:
+        return None
+    return norm, h, (weight, float(offset))
+
+
+def norm_output(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> torch.fx.Node:
+    """``node[index]`` (a multi-output op's), reusing a getitem the graph has."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    with graph.inserting_after(node):
+        item = graph.call_function(operator.getitem, (node, index))
+    example = node.meta.get("example_value")
+    if isinstance(example, (tuple, list)):
+        item.meta["example_value"] = example[index]
+    copy_source_meta(node, item)
+    return item
+
+
 def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfig) -> str | None:
     """None when ``user`` reads ``y`` only as the input of linear projections whose backward does not need ``y``
-    saved: a frozen weight (a LoRA base, a frozen model), or peft's LoRA A (``linear(y.to(fp32), A)``, A of at
-    most 64 rows, whose weight gradient rebuilds ``y``); else why not, in words."""
+    saved: a frozen weight (a LoRA base, a frozen model); a trainable one (full fine-tuning), whose weight gradient
+    rebuilds ``y`` (``fuser::linear_normed``); or peft's LoRA A (``linear(y.to(fp32), A)``, A of at most 64 rows,
+    whose weight gradient rebuilds ``y``: ``fuser::upcast_linear_normed``); else why not, in words."""
     c = canonical(user)
     name = f"`{user.name}`"
     if c is not None and c.op == "linear" and c.args[0] is y:
-        w = tensor_meta(c.args[1])
-        if w is not None and w.requires_grad:
-            return (
-                f"{name} trains its weight, whose gradient reads the normalised value: rebuilding it there for "
-                "full fine-tuning is not built yet, so the norm's output is saved as before"
-            )
-        return None
+        return _why_not_rebuilt(user, c.args[1], c.args[2] if len(c.args) > 2 else None, y)
     if c is not None and c.op == "to" and user.users:
+        if not config.rms_norm_linear.lora:
+            return (
+                f"{name} casts the normalised value for LoRA adapters, whose weight gradients would rebuild it: "
+                "off by default (rms_norm_linear.lora), so the norm's output is saved as before"
+            )
         if not config.enabled("upcast_linear"):
             return f"{name} casts the normalised value for LoRA adapters, and the upcast_linear pattern is off"
         for lora in user.users:
@@ -193,12 +252,31 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
     return f"{name} ({what}) also reads the normalised value: only linear projections may"
 
 
+def _why_not_rebuilt(linear: torch.fx.Node, weight: object, bias: object, y: torch.fx.Node) -> str | None:
+    """None when ``linear(y, weight, bias)`` leaves nothing of ``y`` saved once it is ``fuser::linear_normed`` (or
+    is frozen: then it saves nothing of ``y`` as it is); else why not."""
+    w, out = tensor_meta(weight), tensor_meta(linear)
+    if w is None or not w.requires_grad:
+        return None
+    name = f"`{linear.name}`"
+    if w.dim() != 2 or w.dtype not in FLOAT_DTYPES:
+        return f"{name} trains a weight of rank {w.dim()} and dtype {w.dtype}, not a 2-D fp16/bf16/fp32 one"
+    if out is None or out.dtype not in FLOAT_DTYPES:
+        return f"{name} returns {None if out is None else out.dtype}, not fp16/bf16/fp32"
+    b = tensor_meta(bias) if bias is not None else None
+    if bias is not None and (b is None or b.dtype not in FLOAT_DTYPES):
+        return f"{name} adds a bias that is not an fp16/bf16/fp32 tensor"
+    return None
+
+
 def check_rms_norm_linear(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     """An RMSNorm (any form ``rms_norm`` takes) whose output only linear projections read, none of which needs it
     saved for its backward once the refinements ran: the frozen bases read it in the forward only, and peft's
     LoRA A adapters (``upcast_linear``) rebuild it in their weight gradient from the norm's input and rstd, which
     the norm's backward saves anyway (``fuser::upcast_linear_normed``). The op is the norm's; such a norm counts
-    here, not under ``rms_norm``. Declines (the norm then counts as ``rms_norm``) where anything else reads it."""
+    here, not under ``rms_norm``. Declines (the norm then counts as ``rms_norm``) where anything else reads it.
+    Trainable projections (full fine-tuning) become ``fuser::linear_normed`` after the rewrite
+    (:func:`rebuild_in_projections`)."""
     replacement = check_rms_norm(found, variant, config)
     y = found.root
     if not y.users:
@@ -210,7 +288,57 @@ def check_rms_norm_linear(found: Found, variant: Variant, config: FuserConfig) -
     return replacement
 
 
-# opt-in (``FuserConfig(patterns=(*fuser.DEFAULT_PATTERNS, "rms_norm_linear"))``) until its step time is measured
-# against the default's in one run: on the H200 it took Llama-3-8B LoRA's peak from 48.7 to 44.8 GiB, and its
-# weight-gradient kernel 2.1 ms per step longer (benchmarks/results/LOG.md, 2026-12-02 05:20)
-RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, default=False)
+def _trainable_projections(y: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The linears of a trainable weight that read ``y`` (an RMSNorm's output) when every reader of ``y`` is a
+    projection that leaves nothing of it saved (a frozen linear, a trainable one that can rebuild it, a LoRA A that
+    rebuilds it: ``fuser::upcast_linear``); None when anything else reads it (then ``y`` is saved anyway)."""
+    trainable = []
+    for user in y.users:
+        if user.op == "call_function" and user.target in _LORA_A_OPS and user.args[0] is y:
+            continue
+        c = canonical(user)
+        if c is None or c.op != "linear" or c.args[0] is not y or y in c.args[1:]:
+            return None
+        bias = c.args[2] if len(c.args) > 2 else None
+        if _why_not_rebuilt(user, c.args[1], bias, y) is not None:
+            return None
+        if tensor_meta(c.args[1]).requires_grad:
+            trainable.append(user)
+    return trainable
+
+
+_LORA_A_OPS = (torch.ops.fuser.upcast_linear.default, torch.ops.fuser.upcast_linear_normed.default)
+
+
+def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
+    """``linear(y, W, b)`` with ``y`` an RMSNorm's output that only projections read and ``W`` trainable →
+    ``linear_normed(y, h, rstd, norm weight, offset, W, b, dtype)`` (``fuser/kernels/linear_normed.py``), whose
+    backward rebuilds ``y`` from the norm's input and rstd instead of saving it. Returns how many."""
+    n = 0
+    for node in list(graph.nodes):
+        found = norm_of(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        projections = _trainable_projections(node)
+        if not projections:
+            continue
+        norm, h, (weight, offset) = found
+        h = norm_output(graph, norm, 2) if h is None else h
+        rstd = norm_output(graph, norm, 1)
+        for linear in projections:
+            c = canonical(linear)
+            bias = c.args[2] if len(c.args) > 2 else None
+            args = (node, h, rstd, weight, offset, c.args[1], bias, tensor_meta(linear).dtype)
+            with graph.inserting_before(linear):
+                fused = graph.call_function(torch.ops.fuser.linear_normed.default, args)
+            fused.meta.update(linear.meta)
+            linear.replace_all_uses_with(fused)
+            graph.erase_node(linear)
+            n += 1
+    return n
+
+
+# on by default: under full fine-tuning it took Llama-3.2-1B's peak from 15.95 to 14.20 GiB (with
+# causal_attention.gqa_fold) at 0.5 % more tokens/s on the H200 (benchmarks/results/LOG.md, 2026-12-02 07:20); for
+# LoRA, RmsNormLinearConfig.lora says why it is off
+RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, after_apply=rebuild_in_projections)

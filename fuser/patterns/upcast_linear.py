@@ -25,7 +25,6 @@ which runs the same kernels), ``recompute_gated_input`` and ``group_shared_input
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +39,7 @@ from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
 from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import plain_gated_product, swap_in_gated_linear
+from fuser.patterns.rms_norm import norm_of, norm_output
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -179,61 +179,24 @@ def _merge(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
         start += rows
 
 
-def _norm_of(x: object) -> tuple[torch.fx.Node, torch.fx.Node, tuple] | None:
-    """``(norm call, its input h, (norm weight, offset))`` when ``x`` is ``fuser::rms_norm(h, …)[0]`` or
-    ``fuser::add_rms_norm(…)[0]`` (h: its rounded sum, output 2) and the norm's output is what its kernel computes
-    from h, rstd and the weight (no intermediate rounding, h's dtype); None otherwise."""
-    if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
-        return None
-    norm = x.args[0]
-    if not isinstance(norm, torch.fx.Node):
-        return None
-    if norm.target is torch.ops.fuser.rms_norm.default:
-        h, (weight, _, offset, norm_dtype, out_dtype) = norm.args[0], norm.args[1:6]
-    elif norm.target is torch.ops.fuser.add_rms_norm.default:
-        h, (weight, _, offset, norm_dtype, out_dtype) = None, norm.args[2:7]
-    else:
-        return None
-    if norm_dtype is not None or isinstance(offset, torch.fx.Node):
-        return None
-    h_dtype = tensor_meta(norm.args[0] if h is None else h).dtype
-    if out_dtype not in (None, h_dtype) or tensor_meta(x).dtype != h_dtype:
-        return None
-    return norm, h, (weight, float(offset))
-
-
-def _output(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> torch.fx.Node:
-    """``node[index]`` (a multi-output op's), reusing a getitem the graph has."""
-    for user in node.users:
-        if user.target is operator.getitem and user.args[1] == index:
-            return user
-    with graph.inserting_after(node):
-        item = graph.call_function(operator.getitem, (node, index))
-    example = node.meta.get("example_value")
-    if isinstance(example, (tuple, list)):
-        item.meta["example_value"] = example[index]
-    copy_source_meta(node, item)
-    return item
-
-
 def recompute_normed_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
     """``upcast_linear(y, W, b)`` with ``y`` an RMSNorm's output (peft's LoRA A of q/k/v, gate/up) →
     ``upcast_linear_normed(y, h, rstd, norm weight, offset, W, b)``, whose backward rebuilds ``y`` from the norm's
     input and rstd (saved for the norm's own backward) instead of saving it: the ``rms_norm_linear`` pattern's
-    refinement, when it is enabled. Returns how many."""
-    if not config.enabled("rms_norm_linear"):
+    refinement, when it is enabled with ``rms_norm_linear.lora``. Returns how many."""
+    if not (config.enabled("rms_norm_linear") and config.rms_norm_linear.lora):
         return 0
     n = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.fuser.upcast_linear.default:
             continue
-        found = _norm_of(node.args[0])
+        found = norm_of(node.args[0])
         if found is None:
             continue
         norm, h, (weight, offset) = found
         if h is None:
-            h = _output(graph, norm, 2)
-        rstd = _output(graph, norm, 1)
+            h = norm_output(graph, norm, 2)
+        rstd = norm_output(graph, norm, 1)
         x, w, bias = node.args[:3]
         with graph.inserting_before(node):
             refined = graph.call_function(torch.ops.fuser.upcast_linear_normed.default,

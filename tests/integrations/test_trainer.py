@@ -25,8 +25,9 @@ CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "qwen3": ("Qwen3Config", {}),
 }
-# per decoder layer: norms, rope ops (q and k rotated by one op), gated MLPs; plus the final norm
-PER_LAYER = {"llama": {"rms_norm": 2}, "qwen3": {"rms_norm": 4}}
+# per decoder layer: norms (those that feed only projections: rms_norm_linear), rope ops (q and k rotated by one
+# op), gated MLPs; plus the final norm
+PER_LAYER = {"llama": {"rms_norm_linear": 2, "rms_norm": 0}, "qwen3": {"rms_norm_linear": 2, "rms_norm": 2}}
 LAYERS = 2
 # fuser compiles through aot_eager here, which runs the same fused ops as Inductor would (on CPU: their
 # reference formulas) and keeps the suite fast; one test runs the README's line exactly (Inductor)
@@ -143,7 +144,11 @@ def make_trainer(kind: str, model, out_dir, bf16: bool, steps: int = 2, **extra_
 
 
 def expected_counts(arch: str, kind: str) -> dict[str, int]:
-    counts = {"rms_norm": PER_LAYER[arch]["rms_norm"] * LAYERS + 1, "rope": LAYERS, "swiglu": LAYERS}
+    # the trainers run fp32 weights (under autocast with bf16=True), so peft's adapters are plain trainable
+    # projections there, which rms_norm_linear takes as it takes full fine-tuning's
+    per_layer = PER_LAYER[arch]
+    counts = {"rms_norm_linear": per_layer["rms_norm_linear"] * LAYERS, "rope": LAYERS, "swiglu": LAYERS}
+    counts["rms_norm"] = per_layer["rms_norm"] * LAYERS + 1
     if kind == "trainer":
         # SFTTrainer computes the loss with TRL's own chunked LM head (trl.trainer.utils.add_fused_lm_head),
         # which never builds the logits either: there is no cross_entropy for fuser to fuse

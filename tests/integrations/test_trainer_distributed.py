@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = "tests.integrations._trainer_distributed_worker"
-# every block of the tiny Llama: 2 layers of 2 norms plus the final one, q/k rotated once per layer, the loss
-FUSED = {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
+# every block of the tiny Llama: 2 layers of 2 norms (feeding only projections) plus the final one, q/k rotated
+# once per layer, the loss
+FUSED = {"rms_norm_linear": 4, "rms_norm": 1, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
 
 
 def _free_port() -> int:

@@ -38,10 +38,10 @@ def full_step(arch, dtype, config):
 def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(arch, pattern, dtype):
     since = len(fuser.backend(AOT).results)
     loss, g = full_step(arch, dtype, AOT)
-    assert refined(AOT, since) == {pattern: N_LAYERS}
+    assert refined(AOT, since)[pattern] == N_LAYERS  # (rms_norm_linear refines the q/k/v and gate/up projections)
     torch._dynamo.reset()
     loss_off, g_off = full_step(arch, dtype, AOT_NO_RECOMPUTE)
-    assert fuser.backend(AOT_NO_RECOMPUTE).results and refined(AOT_NO_RECOMPUTE) == {}
+    assert fuser.backend(AOT_NO_RECOMPUTE).results and pattern not in refined(AOT_NO_RECOMPUTE)
     assert torch.equal(loss, loss_off) and g.keys() == g_off.keys()
     for name in g:
         assert torch.equal(g[name], g_off[name]), name

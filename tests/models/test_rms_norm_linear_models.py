@@ -1,8 +1,8 @@
-"""Tier 3: ``rms_norm_linear`` (opt-in: named in ``FuserConfig.patterns``) on tiny models of five families. A
-norm whose output only linear projections read (frozen bases, peft's LoRA A) counts there, and the LoRA A
-adapters' weight gradients rebuild the normalised value from the norm's input instead of saving it; a norm read by
-anything else, or by a projection that trains its weight (full fine-tuning: not built yet), stays ``rms_norm``,
-with the reason in ``fuser.explain``."""
+"""Tier 3: ``rms_norm_linear`` (on by default; peft's half-precision-model LoRA A adapters only with
+``rms_norm_linear.lora``) on tiny models of five families. A norm whose output only linear projections read (frozen
+bases, trainable weights under full fine-tuning, peft's LoRA A) counts there, and the weight gradients of trainable
+projections and LoRA A adapters rebuild the normalised value from the norm's input instead of saving it; a norm
+read by anything else stays ``rms_norm``, with the reason in ``fuser.explain``."""
 
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ import fuser
 from tests.models.tiny import (
     N_LAYERS,
     assert_step_as_close_to_fp32_as_eager,
+    assert_training_step_equals_eager,
     batch,
     from_config,
+    grads,
     lora_step,
     rel,
     saved_wide_tensors,
     small_llama,
 )
 
-ON = (*fuser.DEFAULT_PATTERNS, "rms_norm_linear")
-WITHOUT = fuser.DEFAULT_PATTERNS
+ON = fuser.DEFAULT_PATTERNS
+WITHOUT = tuple(name for name in ON if name != "rms_norm_linear")
+LORA_ON = {"rms_norm_linear": {"lora": True}}  # the LoRA A rebuild (off by default)
 
 # family → (config class, extra fields, norms per layer that feed only projections, other norms per layer)
 FAMILIES = {
@@ -48,31 +51,79 @@ def build(family: str, dtype=torch.bfloat16) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
+@pytest.mark.parametrize("method", ["LoRA", "full"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_explain_counts_the_norms_that_feed_only_projections(family, checkpointing):
-    """With LoRA: the norms that feed only projections count as rms_norm_linear, every other norm (and the final
-    one, whose output the lm_head reads through a slice) as rms_norm."""
-    model = lora(build(family))
+def test_explain_counts_the_norms_that_feed_only_projections(family, method, checkpointing):
+    """With LoRA and under full fine-tuning: the norms that feed only projections count as rms_norm_linear, every
+    other norm (and the final one, whose output the lm_head reads through a slice) as rms_norm."""
+    model = lora(build(family)) if method == "LoRA" else build(family)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    counts = fuser.explain(model, config=fuser.FuserConfig(patterns=ON), **batch()).counts
+    config = fuser.FuserConfig(**LORA_ON) if method == "LoRA" else fuser.FuserConfig()
+    counts = fuser.explain(model, config=config, **batch()).counts
     _, _, linear, other = FAMILIES[family]
     assert counts.get("rms_norm_linear", 0) == linear * N_LAYERS, counts
     assert counts.get("rms_norm", 0) == other * N_LAYERS + 1, counts
 
 
-def test_off_by_default():
-    counts = fuser.explain(lora(build("llama")), **batch()).counts
-    assert "rms_norm_linear" not in counts and counts["rms_norm"] == 2 * N_LAYERS + 1, counts
-
-
-def test_full_fine_tuning_declines_and_says_why():
-    report = fuser.explain(build("llama", torch.float32).train(), config=fuser.FuserConfig(patterns=ON), **batch())
-    assert "rms_norm_linear" not in report.counts and report.counts["rms_norm"] == 2 * N_LAYERS + 1
+def test_lora_norms_off_by_default_and_why():
+    """peft's fp32 adapters on a bf16 model: by default the norms their LoRA A read stay rms_norm, saying so."""
+    report = fuser.explain(lora(build("llama")), **batch())
+    assert "rms_norm_linear" not in report.counts and report.counts["rms_norm"] == 2 * N_LAYERS + 1, report.counts
     reasons = {m.reason for m in report.near_misses if m.pattern == "rms_norm_linear"}
-    assert any("trains its weight" in r and "full fine-tuning is not built yet" in r for r in reasons), reasons
-    assert any("also reads the normalised value" in r for r in reasons), reasons  # the final norm's slice
+    assert any("off by default (rms_norm_linear.lora)" in r for r in reasons), reasons
+
+
+def test_a_norm_with_another_reader_declines_and_says_why():
+    report = fuser.explain(build("llama", torch.float32).train(), **batch())
+    assert report.counts["rms_norm_linear"] == 2 * N_LAYERS and report.counts["rms_norm"] == 1, report.counts
+    reasons = {m.reason for m in report.near_misses if m.pattern == "rms_norm_linear"}
+    assert len(reasons) == 1 and "also reads the normalised value: only linear projections may" in reasons.pop()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
+@pytest.mark.parametrize(
+    "family, dtype, autocast",
+    [
+        ("llama", torch.bfloat16, False),
+        ("gemma", torch.bfloat16, False),
+        ("phi3", torch.bfloat16, False),
+        ("llama", torch.float32, True),
+    ],
+    ids=["llama bf16", "gemma bf16", "phi3 bf16", "llama fp32 weights, bf16 autocast"],
+)
+def test_full_fine_tuning_step_equals_the_step_without_it(family, dtype, autocast, checkpointing):
+    """Full fine-tuning, every pattern, against the same without rms_norm_linear: the loss and every gradient bit
+    for bit. The q/k/v and gate/up weight gradients read the norm's output rebuilt from its input and rstd, which
+    is that output exactly (the norm's formula, one rounding; no residual sum is kept wide without LoRA); under
+    autocast the rebuilt fp32 value is cast to bf16 as autocast casts the saved one."""
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON)
+    without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT)
+    model = build(family, dtype).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def step(model, config):
+        run = fuser.optimize(model, config)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = run(**batch())
+        out.loss.backward()
+        return out.loss.detach(), grads(model)
+
+    since = len(fuser.backend(config).results)
+    loss, got = step(copy.deepcopy(model), config)
+    assert sum(r.counts.get("rms_norm_linear", 0) for r in fuser.backend(config).results[since:]) == 2 * N_LAYERS
+    torch._dynamo.reset()
+    loss_ref, ref = step(model, without)
+    assert torch.equal(loss, loss_ref) and got.keys() == ref.keys() and len(got) == len(list(model.parameters()))
+    for name, g in got.items():
+        assert torch.equal(g, ref[name]), name
+
+
+def test_full_fine_tuning_fp32_step_equals_eager():
+    model = build("qwen3", torch.float32).train()
+    assert_training_step_equals_eager(model, fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON))
 
 
 @pytest.mark.parametrize(
@@ -86,7 +137,7 @@ def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family, 
     a norm of a stored value (the first layer's), and where the norm read an unrounded residual sum (add_rms_norm,
     issue 16), the norm of its bf16 rounding (as eager computes it): each input within half an ulp (2⁻⁹), the
     normalised value within one more rounding, so the gradient moves by well under 2⁻⁷ relative."""
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON, **LORA_ON)
     without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT)
     model = lora(build(family))
     if checkpointing:  # the norms and their projections inside each layer's nested graph
@@ -112,19 +163,23 @@ def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family, 
 
 
 def test_lora_step_as_close_to_fp32_as_eager():
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON, **LORA_ON)
     since = len(fuser.backend(config).results)
     assert_step_as_close_to_fp32_as_eager(torch.bfloat16, config)
     assert sum(r.counts.get("rms_norm_linear", 0) for r in fuser.backend(config).results[since:]) == 2 * N_LAYERS
 
 
-def test_the_normalised_values_are_no_longer_saved():
-    """Inductor's partitioner on a 2-layer LoRA Llama (hidden 32): the two normalised values per layer, saved for
-    the LoRA A weight gradients without the pattern, are not saved with it. One tensor per model comes back: the
-    first norm's input, the embedding output, which the partitioner recomputed from the ids for the norm's
-    backward and now saves, as the first rebuild reads it too (at Llama-3-8B widths: 2 tensors fewer per layer,
-    ``benchmarks/saved_activations.py``)."""
-    model = peft.get_peft_model(small_llama(96), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    saved = saved_wide_tensors(model.train(), 32, fuser.FuserConfig(patterns=ON))
+@pytest.mark.parametrize("method", ["LoRA", "full"])
+def test_the_normalised_values_are_no_longer_saved(method):
+    """Inductor's partitioner on a 2-layer Llama (hidden 32): the two normalised values per layer, saved for
+    the LoRA A weight gradients without the pattern, are not saved with it (``rms_norm_linear.lora``). One tensor
+    per model comes back: the first norm's input, the embedding output, which the partitioner recomputed from the
+    ids for the norm's backward and now saves, as the first rebuild reads it too (at Llama-3-8B widths: 2 tensors
+    fewer per layer, ``benchmarks/saved_activations.py``). Under full fine-tuning the q/k/v and gate/up weight
+    gradients saved them too, and the embedding output is saved either way: 2 fewer per layer."""
+    model = small_llama(96)
+    if method == "LoRA":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    saved = saved_wide_tensors(model.train(), 32, fuser.FuserConfig(patterns=ON, **LORA_ON))
     saved_without = saved_wide_tensors(model, 32, fuser.FuserConfig(patterns=WITHOUT))
-    assert len(saved_without) - len(saved) == 2 * 2 - 1, (saved, saved_without)
+    assert len(saved_without) - len(saved) == (2 * 2 - 1 if method == "LoRA" else 2 * 2), (saved, saved_without)

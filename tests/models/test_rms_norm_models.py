@@ -10,10 +10,12 @@ import torch
 import fuser
 from tests.models.tiny import (
     ARCHS,
+    NORM_PATTERNS,
     assert_training_step_equals_eager,
     batch,
     build,
     expected_norms,
+    fused_norms,
     grads,
     rel,
     with_lora,
@@ -33,7 +35,7 @@ def test_explain_counts_every_norm(arch, variant):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     report = fuser.explain(model, **batch())
-    assert report.counts.get("rms_norm", 0) == expected_norms(arch), str(report)
+    assert fused_norms(report.counts) == expected_norms(arch), str(report)
 
 
 # the RMSNorm form fuser.explain names for each tiny model's norms (VARIANTS.md: OLMo-2 multiplies the weight in
@@ -44,7 +46,7 @@ FORMS = {"llama": "llama", "mistral": "llama", "qwen3": "llama", "gemma": "gemma
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_explain_names_the_norm_form(arch):
     report = fuser.explain(build(arch, torch.bfloat16), **batch())
-    assert {m.variant for m in report.matches if m.pattern == "rms_norm"} == {FORMS[arch]}, str(report)
+    assert {m.variant for m in report.matches if m.pattern in NORM_PATTERNS} == {FORMS[arch]}, str(report)
 
 
 def _count_compiles(model_fn, backend, seqs):
@@ -78,7 +80,7 @@ def _prepare(arch, variant):
 def test_graph_and_recompile_counts_equal_eager_backend(arch, variant):
     seqs = (8, 12, 20)
     fuser_counts = _count_compiles(_prepare(arch, variant), fuser.backend(STRICT), seqs)
-    fused_per_compile = [r.counts.get("rms_norm", 0) for r in fuser.backend(STRICT).results]
+    fused_per_compile = [fused_norms(r.counts) for r in fuser.backend(STRICT).results]
     torch._dynamo.reset()
     eager_counts = _count_compiles(_prepare(arch, variant), torch._dynamo.lookup_backend("eager"), seqs)
     assert fuser_counts == eager_counts
@@ -106,14 +108,14 @@ def _train_step(model, data, autocast=None):
 def test_fp32_training_step_equals_eager(arch, lora):
     model = build(arch)
     assert_training_step_equals_eager(with_lora(model) if lora else model, STRICT)
-    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms(arch)
+    assert fused_norms(fuser.backend(STRICT).counts) == expected_norms(arch)
 
 
 def test_fp32_training_step_through_inductor():
     """The default inner compiler: Inductor compiles the graph around the fused op (CPU: C++ codegen)."""
     config = fuser.FuserConfig(strict=True)
     assert_training_step_equals_eager(build("llama"), config)
-    assert fuser.backend(config).counts["rms_norm"] == expected_norms("llama")
+    assert fused_norms(fuser.backend(config).counts) == expected_norms("llama")
 
 
 def test_gradient_checkpointing_training_step_equals_eager():
@@ -121,7 +123,7 @@ def test_gradient_checkpointing_training_step_equals_eager():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     assert_training_step_equals_eager(model, STRICT)
-    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms("qwen3")
+    assert fused_norms(fuser.backend(STRICT).counts) == expected_norms("qwen3")
 
 
 def _errors_vs_fp64(model_lowp, reference64, data, autocast=None):
@@ -152,7 +154,7 @@ def test_low_precision_training_step_no_less_accurate_than_eager(arch, mode):
     eager_loss_err, eager_grad_err = _errors_vs_fp64(eager, reference64, data, autocast)
     optimized = fuser.optimize(fused, STRICT)
     fused_loss_err, fused_grad_err = _errors_vs_fp64(optimized, reference64, data, autocast)
-    assert fuser.backend(STRICT).counts["rms_norm"] == expected_norms(arch)
+    assert fused_norms(fuser.backend(STRICT).counts) == expected_norms(arch)
     assert fused_loss_err <= BF16_FACTOR * eager_loss_err + BF16_FLOOR
     for name, err in eager_grad_err.items():
         assert fused_grad_err[name] <= BF16_FACTOR * err + BF16_FLOOR, (name, fused_grad_err[name], err)

@@ -51,6 +51,14 @@ def expected_norms(arch: str) -> int:
     return ARCHS[arch][1] * N_LAYERS + 1
 
 
+NORM_PATTERNS = ("rms_norm", "rms_norm_linear")  # a norm counts under one: rms_norm_linear if only projections read it
+
+
+def fused_norms(counts: dict[str, int]) -> int:
+    """How many RMSNorms ``counts`` (a report's or a backend's) fused, under either pattern."""
+    return sum(counts.get(name, 0) for name in NORM_PATTERNS)
+
+
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     import peft
 

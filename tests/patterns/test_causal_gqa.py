@@ -1,6 +1,6 @@
 """causal_attention's grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``): a proved-causal SDPA
 call on transformers' ``repeat_kv`` copies is given the unexpanded k and v with ``enable_gqa=True``. Same values and
-gradients as the call as written; forms with another head order (``repeat``'s tiling) are left alone; off by
+gradients as the call as written; forms with another head order (``repeat``'s tiling) are left alone; on by
 default."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from fuser.patterns import PATTERNS
 from tests.models import tiny
 
 B, H, KV, T, D = 2, 6, 2, 16, 8
-STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
+STRICT = fuser.FuserConfig(
+    patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, causal_attention={"gqa_fold": False}
+)
 FOLD = fuser.FuserConfig(
     patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, causal_attention={"gqa_fold": True}
 )
@@ -128,11 +130,14 @@ def test_other_head_orders_are_not_folded(fn, gen):
     train_the_same(fn, q, k, v, FOLD)
 
 
-def test_off_by_default(gen):
+def test_on_by_default_and_off_by_name(gen):
     q, k, v = qkv(gen)
-    assert fuser.FuserConfig().causal_attention.gqa_fold is False
-    assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig()) == [(H, False, True)]
-    assert sdpa_calls(hf_repeat_kv, q, k, v, STRICT) == [(H, False, True)]
+    assert fuser.FuserConfig().causal_attention.gqa_fold is True
+    assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig(causal_attention={"gqa_fold": False})) == [
+        (H, False, True)
+    ]
+    assert sdpa_calls(hf_repeat_kv, q, k, v, STRICT) == [(H, False, True)]  # STRICT: the fold off by name
+    assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig()) == sdpa_calls(hf_repeat_kv, q, k, v, FOLD)
 
 
 def test_llama_step_the_same_and_saves_the_unexpanded_kv():
