@@ -50,6 +50,45 @@ def time_graph_and_launched(
     return gpu, launched
 
 
+def saved_storage_bytes(forward: Callable[[], object], exclude: Iterable[torch.Tensor]) -> int:
+    """Bytes of the unique CUDA storages autograd saves during one ``forward()``, those of ``exclude`` (parameters,
+    inputs) left out: what a block holds between its forward and backward."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip and t.device.type == "cuda":
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(storages.values())
+
+
+def block_step_figures(
+    step: Callable[[], object], forward: Callable[[], object], grads: list[torch.Tensor], exclude: list[torch.Tensor]
+) -> tuple[float, int, int]:
+    """A compiled block's (fwd+bwd ms, saved bytes, peak bytes above the step's start): ``step`` (forward and
+    backward) warmed up 3 times (compiles), timed by ``triton.testing.do_bench`` (warmup 25 ms, rep 200 ms, median,
+    ``grads`` set to None between runs); :func:`saved_storage_bytes` of ``forward``; the peak of one more step."""
+    import triton
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median", grad_to_none=grads)
+    saved = saved_storage_bytes(forward, exclude)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return ms, saved, torch.cuda.max_memory_allocated() - base
+
+
 def cuda_graph_ms(fn: Callable[[], object]) -> float:
     """Median ms of replaying a CUDA graph of one call of ``fn`` (warmed up already): its GPU time alone."""
     import triton.testing

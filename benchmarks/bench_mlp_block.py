@@ -22,6 +22,7 @@ import datetime
 import sys
 
 import torch
+from bench_common import block_step_figures
 from jobs import LORA, MODELS
 
 LLAMA3_8B = MODELS["llama3-8b"].fields
@@ -54,40 +55,12 @@ def build(lora: bool) -> torch.nn.Module:
     return block
 
 
-def saved_bytes(fn, x, params) -> int:
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs and t.device.type == "cuda":
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    del out
-    return sum(storages.values())
-
-
 def measure(name, fn, x, dout, params):
-    import triton
-
     def step():
         out = fn(x)
         out.backward(dout)
 
-    for _ in range(3):  # compile and warm up
-        step()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median", grad_to_none=[x, *params])
-    saved = saved_bytes(fn, x, params)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    ms, saved, peak = block_step_figures(step, lambda: fn(x), [x, *params], params)
     return {"name": name, "ms": ms, "saved": saved, "peak": peak}
 
 

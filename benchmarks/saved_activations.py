@@ -1,12 +1,14 @@
 """Bytes a training step saves for the backward, per decoder layer and token, as Inductor's partitioner chooses
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
-(``options={"upcast_linear": {"recompute_gated_input": False}}``), fuser, fuser with ``rms_norm_linear``
-(opt-in); or (``--job llama32-1b-full``) a Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without
-the down projection's recompute (``options={"gated_mlp": {"recompute_for_down_weight": False}}``), fuser; each
-job also with causal_attention's grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``). Runs
-on a CPU (the partition depends on the graph, not on the device); 1 and 2 layers at batch 2×64, the difference
-is one layer.
+(``options={"upcast_linear": {"recompute_gated_input": False}}``), without causal_attention's grouped-query fold
+(``{"causal_attention": {"gqa_fold": False}}``), fuser, fuser with ``rms_norm_linear.lora``; or (``--job
+llama32-1b-full``) a Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without the down projection's
+recompute (``options={"gated_mlp": {"recompute_for_down_weight": False}}``), without ``rms_norm_linear`` and the
+fold (the defaults before issue 18), without either, fuser. Runs on a CPU (the partition depends on the graph, not
+on the device); 1 and 2 layers at batch 2×64, the difference is one layer. Two saved tensors that are views of one
+storage count twice (the attention output and o_proj's view of it, since RoPE keeps HF's layout): the H200's peak
+is the measure of those.
 
     python benchmarks/saved_activations.py [--job llama3-8b-lora | llama32-1b-full] [--out FILE]
 """
@@ -78,17 +80,19 @@ def saved_for_backward(
     return saved
 
 
-GQA = "fuser with causal_attention.gqa_fold"  # causal_attention's grouped-query fold (off by default)
-WITH_NORM_LINEAR = "fuser with rms_norm_linear"
+NO_NORM_LINEAR = "fuser without rms_norm_linear"
+NO_GQA = "fuser without causal_attention.gqa_fold"
+NEITHER = "fuser without rms_norm_linear and gqa_fold"  # the defaults before 2026-12-02's issue-18 change
+WITH_LORA_NORMS = "fuser with rms_norm_linear.lora"
 MODES = (
     "compile",
     "fuser without upcast_linear",
     "fuser without the gated-input recompute",
+    NO_GQA,
     "fuser",
-    WITH_NORM_LINEAR,
-    GQA,
+    WITH_LORA_NORMS,
 )
-FULL_MODES = ("compile", "fuser without the down-weight recompute", "fuser", GQA)
+FULL_MODES = ("compile", "fuser without the down-weight recompute", NEITHER, NO_NORM_LINEAR, NO_GQA, "fuser")
 # a job of jobs.JOBS → its title; the layers are its checkpoint's widths, the vocabulary a small one
 TITLES = {
     "llama3-8b-lora": "Llama-3-8B layer, LoRA r16 on all linear layers",
@@ -117,14 +121,15 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
     model.train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     names = {name for name, p in PATTERNS.items() if p.default}
-    names |= {"rms_norm_linear"} if mode == WITH_NORM_LINEAR else set()
+    names -= {"rms_norm_linear"} if mode in (NO_NORM_LINEAR, NEITHER) else set()
     names -= {"upcast_linear"} if mode == MODES[1] else set()
     patterns = [p for n, p in PATTERNS.items() if mode != "compile" and n in names]
     fuser_config = FuserConfig(
         patterns=tuple(p.name for p in patterns) if patterns else None,
         upcast_linear={"recompute_gated_input": mode != MODES[2]},
         gated_mlp={"recompute_for_down_weight": mode != FULL_MODES[1]},
-        causal_attention={"gqa_fold": mode == GQA},
+        causal_attention={"gqa_fold": mode not in (NO_GQA, NEITHER)},
+        rms_norm_linear={"lora": mode == WITH_LORA_NORMS},
     )
     producers: list[str] = []
     saved = saved_for_backward(model, (), {"input_ids": ids, "labels": ids}, patterns, producers, fuser_config)
