@@ -288,13 +288,16 @@ def check_rms_norm_linear(found: Found, variant: Variant, config: FuserConfig) -
     return replacement
 
 
-def _trainable_projections(y: torch.fx.Node) -> list[torch.fx.Node] | None:
+def _trainable_projections(y: torch.fx.Node, config: FuserConfig) -> list[torch.fx.Node] | None:
     """The linears of a trainable weight that read ``y`` (an RMSNorm's output) when every reader of ``y`` is a
     projection that leaves nothing of it saved (a frozen linear, a trainable one that can rebuild it, a LoRA A that
-    rebuilds it: ``fuser::upcast_linear``); None when anything else reads it (then ``y`` is saved anyway)."""
+    rebuilds it: ``fuser::upcast_linear`` with ``rms_norm_linear.lora``); None when anything else reads it (then
+    ``y`` is saved anyway, and a rebuild would only add work)."""
     trainable = []
     for user in y.users:
         if user.op == "call_function" and user.target in _LORA_A_OPS and user.args[0] is y:
+            if not config.rms_norm_linear.lora:
+                return None
             continue
         c = canonical(user)
         if c is None or c.op != "linear" or c.args[0] is not y or y in c.args[1:]:
@@ -319,7 +322,7 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
         found = norm_of(node) if node.op == "call_function" else None
         if found is None:
             continue
-        projections = _trainable_projections(node)
+        projections = _trainable_projections(node, config)
         if not projections:
             continue
         norm, h, (weight, offset) = found

@@ -183,3 +183,18 @@ def test_the_normalised_values_are_no_longer_saved(method):
     saved = saved_wide_tensors(model.train(), 32, fuser.FuserConfig(patterns=ON, **LORA_ON))
     saved_without = saved_wide_tensors(model, 32, fuser.FuserConfig(patterns=WITHOUT))
     assert len(saved_without) - len(saved) == (2 * 2 - 1 if method == "LoRA" else 2 * 2), (saved, saved_without)
+
+
+@pytest.mark.parametrize("lora_on", [False, True], ids=["lora off", "lora on"])
+def test_a_trained_base_beside_lora_adapters_is_rebuilt_only_with_the_lora_switch(lora_on):
+    """One base weight trained beside peft's adapters (layer 0's q_proj): with ``rms_norm_linear.lora`` off the
+    adapters save the norm's output anyway, so the norm stays rms_norm and the trained base keeps its plain linear
+    (a rebuild there would only add work); with it on, that base is rebuilt too (one ``linear_normed``)."""
+    model = lora(build("llama"))
+    model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", rms_norm_linear={"lora": lora_on})
+    since = len(fuser.backend(config).results)
+    fuser.optimize(model, config)(**batch()).loss.backward()
+    results = fuser.backend(config).results[since:]
+    assert sum(r.counts.get("rms_norm_linear", 0) for r in results) == (2 * N_LAYERS if lora_on else 0)
+    assert sum(r.refined.get("rms_norm_linear", 0) for r in results) == (1 if lora_on else 0)
