@@ -271,12 +271,12 @@ def _why_not_rebuilt(linear: torch.fx.Node, weight: object, bias: object, y: tor
 
 def check_rms_norm_linear(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     """An RMSNorm (any form ``rms_norm`` takes) whose output only linear projections read, none of which needs it
-    saved for its backward once the refinements ran: the frozen bases read it in the forward only, and peft's
-    LoRA A adapters (``upcast_linear``) rebuild it in their weight gradient from the norm's input and rstd, which
-    the norm's backward saves anyway (``fuser::upcast_linear_normed``). The op is the norm's; such a norm counts
-    here, not under ``rms_norm``. Declines (the norm then counts as ``rms_norm``) where anything else reads it.
-    Trainable projections (full fine-tuning) become ``fuser::linear_normed`` after the rewrite
-    (:func:`rebuild_in_projections`)."""
+    saved for its backward once the refinements ran: the frozen bases read it in the forward only, trainable ones
+    become ``fuser::linear_normed`` after the rewrite (:func:`rebuild_in_projections`), and with
+    ``rms_norm_linear.lora`` peft's LoRA A adapters (``upcast_linear``) rebuild it in their weight gradient from the
+    norm's input and rstd, which the norm's backward saves anyway (``fuser::upcast_linear_normed``). The op is the
+    norm's; such a norm counts here, not under ``rms_norm``. Declines (the norm then counts as ``rms_norm``) where
+    anything else reads it."""
     replacement = check_rms_norm(found, variant, config)
     y = found.root
     if not y.users:
@@ -341,7 +341,6 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     return n
 
 
-# on by default: under full fine-tuning it took Llama-3.2-1B's peak from 15.95 to 14.20 GiB (with
-# causal_attention.gqa_fold) at 0.5 % more tokens/s on the H200 (benchmarks/results/LOG.md, 2026-12-02 07:20); for
-# LoRA, RmsNormLinearConfig.lora says why it is off
+# on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
+# the H200 (benchmarks/results/LOG.md, 2026-12-02 07:04); for LoRA, RmsNormLinearConfig.lora says why it is off
 RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, after_apply=rebuild_in_projections)
