@@ -89,6 +89,17 @@ def block_step_figures(
     return ms, saved, torch.cuda.max_memory_allocated() - base
 
 
+def fused_counts_since(config, since: int) -> dict[str, int]:
+    """The fused-op counts of the graphs ``fuser.backend(config)`` compiled after its first ``since`` ones, summed."""
+    import fuser
+
+    counts: dict[str, int] = {}
+    for result in fuser.backend(config).results[since:]:
+        for name, n in result.counts.items():
+            counts[name] = counts.get(name, 0) + n
+    return counts
+
+
 def cuda_graph_ms(fn: Callable[[], object]) -> float:
     """Median ms of replaying a CUDA graph of one call of ``fn`` (warmed up already): its GPU time alone."""
     import triton.testing

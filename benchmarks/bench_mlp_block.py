@@ -22,7 +22,7 @@ import datetime
 import sys
 
 import torch
-from bench_common import block_step_figures
+from bench_common import block_step_figures, fused_counts_since
 from jobs import LORA, MODELS
 
 LLAMA3_8B = MODELS["llama3-8b"].fields
@@ -92,11 +92,7 @@ def run(tokens: int, lora: bool):
         row = measure(name, fn, x, dout, params)
         row["err_vs_eager"] = err
         if name.startswith("fuser"):
-            counts: dict[str, int] = {}
-            for result in fuser.backend(config).results[already:]:
-                for k, v in result.counts.items():
-                    counts[k] = counts.get(k, 0) + v
-            row["counts"] = counts
+            row["counts"] = fused_counts_since(config, already)
         rows.append(row)
         del block, fn, params
     return rows

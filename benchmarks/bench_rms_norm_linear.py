@@ -21,7 +21,7 @@ import datetime
 import sys
 
 import torch
-from bench_common import block_step_figures
+from bench_common import block_step_figures, fused_counts_since
 from jobs import LORA, MODELS
 
 FIELDS = MODELS["llama3-8b"].fields
@@ -98,11 +98,7 @@ def run(tokens: int, block_name: str, lora: bool) -> list[dict]:
         row = {"mode": mode, "ms": ms, "saved": saved, "peak": peak}
         row["err"] = ((out - reference).norm() / reference.norm()).item()
         if mode.startswith("fuser"):
-            counts: dict[str, int] = {}
-            for result in fuser.backend(config).results[already:]:
-                for k, v in result.counts.items():
-                    counts[k] = counts.get(k, 0) + v
-            row["counts"] = counts
+            row["counts"] = fused_counts_since(config, already)
         rows.append(row)
         del block, fn, params
     return rows
