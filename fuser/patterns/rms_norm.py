@@ -242,11 +242,16 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
             )
         if not config.enabled("upcast_linear"):
             return f"{name} casts the normalised value for LoRA adapters, and the upcast_linear pattern is off"
+        from fuser.patterns.upcast_linear import why_not_upcast  # (that module imports this one)
+
         for lora in user.users:
             a = canonical(lora)
             w = tensor_meta(a.args[1]) if a is not None and a.op == "linear" and a.args[0] is user else None
-            if w is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] > TRITON_MAX_OUT:
+            if w is None or w.dim() != 2 or w.shape[0] > TRITON_MAX_OUT:
                 return f"{name} casts the normalised value for `{lora.name}`, which is not a LoRA A projection"
+            reason = why_not_upcast(y, c.args[1], a.args[1], lora, a.args[2] if len(a.args) > 2 else None)
+            if reason is not None:
+                return f"{name} casts the normalised value for `{lora.name}`, which upcast_linear declines: {reason}"
         return None
     what = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", str(user.target))
     return f"{name} ({what}) also reads the normalised value: only linear projections may"

@@ -70,22 +70,34 @@ class UpcastLinearConfig:
 VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V("w"), OneOf(V("b"), None)))]
 
 
+def why_not_upcast(x: object, dtype: object, weight: object, out: object, bias: object) -> str | None:
+    """None when ``linear(x.to(dtype), weight, bias)`` (``out``: the linear's node) is one the op computes: a
+    bf16/fp16 ``x`` cast to fp32 for a 2-D fp32 weight on its device, an fp32 result and bias; else why not (the
+    pattern's check, and ``rms_norm_linear``'s for the LoRA A readers of a norm)."""
+    xt, wt, yt = tensor_meta(x), tensor_meta(weight), tensor_meta(out)
+    if xt is None or wt is None:
+        return "the input or the weight has no metadata"
+    if xt.dtype not in HALF_DTYPES:
+        return f"the input is {xt.dtype} before the cast, not bf16/fp16: nothing to save"
+    if dtype != torch.float32 or wt.dtype != torch.float32:
+        return f"cast to {dtype} for a {wt.dtype} weight (the op handles an fp32 weight and cast)"
+    if yt is None or yt.dtype != wt.dtype:
+        return f"the linear returns {None if yt is None else yt.dtype} (autocast?), not the weight's dtype"
+    if wt.dim() != 2:
+        return f"weight of rank {wt.dim()}"
+    if xt.device != wt.device:
+        return "input and weight on different devices"
+    if bias is not None and tensor_meta(bias).dtype != wt.dtype:
+        return f"bias of dtype {tensor_meta(bias).dtype}, not the weight's {wt.dtype}"
+    return None
+
+
 def check_upcast_linear(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
-    xt, wt, out = tensor_meta(b["x"]), tensor_meta(b["w"]), tensor_meta(found.root)
-    if xt.dtype not in HALF_DTYPES:
-        raise Decline(f"the input is {xt.dtype} before the cast, not bf16/fp16: nothing to save")
-    if b["dtype"] != torch.float32 or wt.dtype != torch.float32:
-        raise Decline(f"cast to {b['dtype']} for a {wt.dtype} weight (the op handles an fp32 weight and cast)")
-    if out is None or out.dtype != wt.dtype:
-        raise Decline(f"the linear returns {None if out is None else out.dtype} (autocast?), not the weight's dtype")
-    if wt.dim() != 2:
-        raise Decline(f"weight of rank {wt.dim()}")
-    if xt.device != wt.device:
-        raise Decline("input and weight on different devices")
     bias = b.get("b")
-    if bias is not None and tensor_meta(bias).dtype != wt.dtype:
-        raise Decline(f"bias of dtype {tensor_meta(bias).dtype}, not the weight's {wt.dtype}")
+    reason = why_not_upcast(b["x"], b["dtype"], b["w"], found.root, bias)
+    if reason is not None:
+        raise Decline(reason)
     allow_triton = {"allow_triton": config.upcast_linear.triton}
     return Replacement(torch.ops.fuser.upcast_linear.default, (b["x"], b["w"], bias), allow_triton)
 

@@ -198,3 +198,16 @@ def test_a_trained_base_beside_lora_adapters_is_rebuilt_only_with_the_lora_switc
     results = fuser.backend(config).results[since:]
     assert sum(r.counts.get("rms_norm_linear", 0) for r in results) == (2 * N_LAYERS if lora_on else 0)
     assert sum(r.refined.get("rms_norm_linear", 0) for r in results) == (1 if lora_on else 0)
+
+
+def test_lora_adapters_upcast_linear_declines_leave_the_norm_to_rms_norm():
+    """With ``rms_norm_linear.lora``: peft's fp32 adapters on a bf16 model run under bf16 autocast, so their
+    ``linear(y.float(), A)`` returns bf16, which upcast_linear declines (the op computes the fp32 linear). The norm's
+    output is then saved for them as before: the norm must not count as rms_norm_linear, and says why."""
+    model = lora(build("llama")).train()
+    config = fuser.FuserConfig(**LORA_ON)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fuser.explain(model, config=config, **batch())
+    assert "rms_norm_linear" not in report.counts and report.counts["rms_norm"] == 2 * N_LAYERS + 1, report.counts
+    reasons = {m.reason for m in report.near_misses if m.pattern == "rms_norm_linear"}
+    assert any("which upcast_linear declines: the linear returns torch.bfloat16 (autocast?)" in r for r in reasons)
