@@ -43,6 +43,7 @@ from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -242,8 +243,6 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
             )
         if not config.enabled("upcast_linear"):
             return f"{name} casts the normalised value for LoRA adapters, and the upcast_linear pattern is off"
-        from fuser.patterns.upcast_linear import why_not_upcast  # (that module imports this one)
-
         for lora in user.users:
             a = canonical(lora)
             w = tensor_meta(a.args[1]) if a is not None and a.op == "linear" and a.args[0] is user else None

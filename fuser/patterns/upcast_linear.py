@@ -37,9 +37,10 @@ from fuser.engine.match import C, Found, OneOf, Op, V
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
-from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import Decline, Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import plain_gated_product, swap_in_gated_linear
 from fuser.patterns.rms_norm import norm_of, norm_output
+from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -68,28 +69,6 @@ class UpcastLinearConfig:
 
 
 VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V("w"), OneOf(V("b"), None)))]
-
-
-def why_not_upcast(x: object, dtype: object, weight: object, out: object, bias: object) -> str | None:
-    """None when ``linear(x.to(dtype), weight, bias)`` (``out``: the linear's node) is one the op computes: a
-    bf16/fp16 ``x`` cast to fp32 for a 2-D fp32 weight on its device, an fp32 result and bias; else why not (the
-    pattern's check, and ``rms_norm_linear``'s for the LoRA A readers of a norm)."""
-    xt, wt, yt = tensor_meta(x), tensor_meta(weight), tensor_meta(out)
-    if xt is None or wt is None:
-        return "the input or the weight has no metadata"
-    if xt.dtype not in HALF_DTYPES:
-        return f"the input is {xt.dtype} before the cast, not bf16/fp16: nothing to save"
-    if dtype != torch.float32 or wt.dtype != torch.float32:
-        return f"cast to {dtype} for a {wt.dtype} weight (the op handles an fp32 weight and cast)"
-    if yt is None or yt.dtype != wt.dtype:
-        return f"the linear returns {None if yt is None else yt.dtype} (autocast?), not the weight's dtype"
-    if wt.dim() != 2:
-        return f"weight of rank {wt.dim()}"
-    if xt.device != wt.device:
-        return "input and weight on different devices"
-    if bias is not None and tensor_meta(bias).dtype != wt.dtype:
-        return f"bias of dtype {tensor_meta(bias).dtype}, not the weight's {wt.dtype}"
-    return None
 
 
 def check_upcast_linear(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
