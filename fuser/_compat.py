@@ -52,6 +52,23 @@ def register_inductor_fallbacks(namespace: str) -> int:
     return new
 
 
+def custom_op_functions(op: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """(the function a ``torch.library.custom_op`` was made from, its fake implementation) for ``op``, an
+    ``OpOverload``; ``None`` where ``op`` was not made by ``custom_op``, has no fake, has a kernel of its own for
+    some device (``register_kernel``), or torch keeps these elsewhere than ``CustomOpDef``'s private fields."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:
+        return None
+    opdef = _maybe_get_opdef(op)
+    function = getattr(opdef, "_init_fn", None)
+    fake = getattr(opdef, "_abstract_fn", None)
+    kernels = getattr(opdef, "_backend_fns", None)
+    if not callable(function) or not callable(fake) or not isinstance(kernels, dict) or set(kernels) - {None}:
+        return None
+    return function, fake
+
+
 def lookup_dynamo_backend(name: str) -> Callable[..., Any]:
     from torch._dynamo.backends.registry import lookup_backend
 

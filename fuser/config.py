@@ -47,6 +47,9 @@ class FuserConfig:
                      GPT-2-style model's ``loss_function`` logs one between its lm_head and its loss, which could
                      not fuse across the break. Their message is then not printed by compiled code. Scoped to
                      those calls (``fuser/tracing.py``); ``torch.compile(m, backend="fuser")`` cannot apply it.
+    direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
+                     ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
+                     past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
@@ -74,6 +77,7 @@ class FuserConfig:
     keep_logits: bool = False
     strict: bool = False
     ignore_logging: bool = True
+    direct_calls: bool = True
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -84,7 +88,7 @@ class FuserConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
-        for name in ("keep_logits", "strict", "ignore_logging"):
+        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")

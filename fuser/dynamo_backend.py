@@ -16,6 +16,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
+from fuser.engine import direct_calls
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
@@ -44,8 +45,9 @@ _SOURCE_DIGEST = _source_digest()
 
 def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
     """fuser's post-grad pass: the post-grad passes the registered patterns declare (``Pattern.post_grad``: the
-    gated MLP's backward in place), each where it is enabled for ``config``, then the user's own post-grad pass, if
-    any; the numbers of calls rewritten are added to ``counts``.
+    gated MLP's backward in place), each where it is enabled for ``config``; then, with ``config.direct_calls``,
+    the fused ops' calls retargeted to their direct overloads (:mod:`fuser.engine.direct_calls`); then the user's
+    own post-grad pass, if any. The numbers of calls the blocks' passes rewrote are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
     keys: fuser's source and the whole config (its repr, nested options included: every switch there is) are in
@@ -75,6 +77,8 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
                     )
                     continue
                 counts[name] = counts.get(name, 0) + one.apply(graph, plan)
+            if config.direct_calls:
+                direct_calls.retarget(graph)
             if previous is not None:
                 previous(graph)
 
@@ -159,6 +163,7 @@ class FuserBackend:
         if self.config.inner_compiler == "aot_eager":
             return _compat.lookup_dynamo_backend("aot_eager")(gm, example_inputs)
         post_grad = _post_grad_pass(self.config, self.post_grad_counts)
+        direct_calls.register()  # before Inductor gives fuser's ops (these overloads among them) their fallbacks
         return _compat.inductor_compile(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post_grad})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
