@@ -4,8 +4,9 @@
 # Usage (device tool, carry [".whl"]):
 #   JOB=llama32-1b-full MODES=liger,compile VARIANTS="default|+rms_norm_linear|+rms_norm_linear gqa_fold" \
 #     bash benchmarks/gpu_variants.sh
-#   VARIANTS: "|"-separated; in each, a word starting with + adds that pattern to the default ones, any other word but
-#   "default" is a --fuser-option (NAME=VALUE, or a bare name of causal_attention's gqa_fold as shorthand).
+#   VARIANTS: "|"-separated; in each, a word starting with + adds that pattern to the default ones, one starting with -
+#   takes it out (not both in one variant), any other word but "default" is a --fuser-option (NAME=VALUE, or a bare
+#   name of causal_attention's gqa_fold as shorthand).
 #   STEPS (6), WARMUP (3), TIMEOUT per process in s (240), EXTRA: more train_step.py flags for every process.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -35,15 +36,17 @@ i=0
 for variant in "${VARIANT_LIST[@]}"; do
   args=()
   patterns=""
+  sign="+"
   for word in $variant; do
     case "$word" in
       default) ;;
       +*) patterns="${patterns:+$patterns,}$word" ;;
+      -*) patterns="${patterns:+$patterns,}$word"; sign="-" ;;
       gqa_fold) args+=(--fuser-option causal_attention.gqa_fold=true) ;;
       *) args+=(--fuser-option "$word") ;;
     esac
   done
-  if [ -n "$patterns" ]; then args+=(--fuser-patterns "+${patterns//+/}"); fi
+  if [ -n "$patterns" ]; then patterns=${patterns//+/}; args+=(--fuser-patterns "$sign${patterns//-/}"); fi
   name="fuser_$i"
   echo "$variant" > "$R/$name.label"
   timeout "${TIMEOUT:-240}" python3 benchmarks/train_step.py "${COMMON[@]}" "${EXTRA_ARGS[@]}" --mode fuser \

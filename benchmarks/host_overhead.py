@@ -3,7 +3,9 @@
 Each op is called in a loop on tensors so small that its kernels take a few µs on the GPU: the wall time per call,
 with the queue kept from filling (a synchronize every ``--chunk`` calls), is then what the host spends to launch
 it. Beside fuser's ops, the floors it is made of: an aten op (``torch.add``), an empty ``torch.library.custom_op``
-(the dispatcher and the custom-op wrapper alone) and a bare Triton launch of a one-line kernel.
+(the dispatcher and the custom-op wrapper alone) and a bare Triton launch of a one-line kernel. Each fuser op is
+timed twice: through its default overload (the custom-op wrapper, as eager calls it) and through its ``direct``
+overload (what Inductor's compiled graphs call, ``fuser/engine/direct_calls.py``).
 
     python benchmarks/host_overhead.py [--calls 2000] [--out report.md]      # CUDA
 """
@@ -50,9 +52,20 @@ def host_us(fn, calls: int, chunk: int) -> float:
     return sorted(runs)[2]
 
 
-def cases(rows: int, hidden: int, rank: int) -> dict:
+class _Overloads:
+    """``torch.ops.fuser`` with each op's ``overload`` standing in for its default one (``ops.rms_norm.default``
+    is then ``torch.ops.fuser.rms_norm.direct``)."""
+
+    def __init__(self, overload: str) -> None:
+        self.overload = overload
+
+    def __getattr__(self, name: str):
+        return type(name, (), {"default": getattr(getattr(torch.ops.fuser, name), self.overload)})
+
+
+def cases(rows: int, hidden: int, rank: int, overload: str = "default") -> dict:
     dev, bf16, f32 = "cuda", torch.bfloat16, torch.float32
-    ops = torch.ops.fuser
+    ops = torch.ops.fuser if overload == "default" else _Overloads(overload)
     x = torch.randn(rows, hidden, device=dev, dtype=bf16)
     h = torch.randn(rows, hidden, device=dev, dtype=bf16)
     w_norm = torch.randn(hidden, device=dev, dtype=bf16)
@@ -96,18 +109,25 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    from fuser.engine import direct_calls
+
+    direct_calls.register()
     rows = []
+    direct = cases(args.rows, args.hidden, args.rank, "direct")
     for name, fn in cases(args.rows, args.hidden, args.rank).items():
-        try:
-            rows.append([name, f"{host_us(fn, args.calls, args.chunk):.1f}"])
-        except Exception as error:  # noqa: BLE001  (a failing op is a row, not the end of the table)
-            rows.append([name, f"error: {type(error).__name__}: {str(error)[:80]}"])
+        row = [name]
+        for one in (fn, direct[name] if name.startswith("fuser::") else None):
+            try:
+                row.append("–" if one is None else f"{host_us(one, args.calls, args.chunk):.1f}")
+            except Exception as error:  # noqa: BLE001  (a failing op is a cell, not the end of the table)
+                row.append(f"error: {type(error).__name__}: {str(error)[:80]}")
+        rows.append(row)
     now = datetime.datetime.now(datetime.UTC)
     text = (
         f"# Host µs per call (`python benchmarks/host_overhead.py`, {now:%Y-%m-%d %H:%M} "
         f"UTC, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
         f"[{args.rows}, {args.hidden}] bf16 rows, rank {args.rank}, {args.calls} calls, median of 5)\n\n"
-        + markdown_table(["call", "µs per call"], rows, label_columns=1)
+        + markdown_table(["call", "µs per call", "µs, direct overload"], rows, label_columns=1)
     )
     print(text)
     if args.out:

@@ -197,7 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fuser-inner-compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
     parser.add_argument(
         "--fuser-patterns",
-        help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum)",
+        help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum), a leading - "
+        "takes them out (-rms_norm_linear)",
     )
     parser.add_argument(
         "--fuser-option",

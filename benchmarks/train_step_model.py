@@ -103,14 +103,20 @@ def fuser_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def fuser_config(args: argparse.Namespace):
-    """fuser's config for this run: the inner compiler, the patterns ``--fuser-patterns`` names, and the options
+    """fuser's config for this run: the inner compiler, the patterns ``--fuser-patterns`` names (a leading ``+``
+    adds them to the default ones, a leading ``-`` takes them out), and the options
     ``--fuser-option`` sets, by name as a trainer's ``options=`` sets them."""
     import fuser
 
     patterns = None
     if args.fuser_patterns:
-        names = tuple(n for n in args.fuser_patterns.removeprefix("+").split(",") if n)
-        patterns = (*fuser.DEFAULT_PATTERNS, *names) if args.fuser_patterns.startswith("+") else names
+        names = tuple(n for n in args.fuser_patterns.lstrip("+-").split(",") if n)
+        if args.fuser_patterns.startswith("+"):
+            patterns = (*fuser.DEFAULT_PATTERNS, *names)
+        elif args.fuser_patterns.startswith("-"):
+            patterns = tuple(p for p in fuser.DEFAULT_PATTERNS if p not in names)
+        else:
+            patterns = names
     options = {**fuser_options(args.fuser_option), "patterns": patterns, "inner_compiler": args.fuser_inner_compiler}
     return fuser.FuserConfig.from_options(options)
 
