@@ -46,7 +46,7 @@ for variant in "${VARIANT_LIST[@]}"; do
       *) args+=(--fuser-option "$word") ;;
     esac
   done
-  if [ -n "$patterns" ]; then patterns=${patterns//+/}; args+=(--fuser-patterns "$sign${patterns//-/}"); fi
+  if [ -n "$patterns" ]; then patterns=${patterns//+/}; args+=("--fuser-patterns=$sign${patterns//-/}"); fi
   name="fuser_$i"
   echo "$variant" > "$R/$name.label"
   timeout "${TIMEOUT:-240}" python3 benchmarks/train_step.py "${COMMON[@]}" "${EXTRA_ARGS[@]}" --mode fuser \

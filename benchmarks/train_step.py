@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fuser-patterns",
         help="fuser's patterns, comma-separated; a leading + adds to the default ones (e.g. +lora_sum), a leading - "
-        "takes them out (-rms_norm_linear)",
+        "takes them out (write it --fuser-patterns=-rms_norm_linear: argparse reads a bare -word as a flag)",
     )
     parser.add_argument(
         "--fuser-option",
