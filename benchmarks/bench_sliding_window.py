@@ -31,8 +31,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_common import FAIL_ABOVE, markdown_table, rel_err, time_graph_and_launched
 
-FAIL_ABOVE = 2e-2
 GEMMA3_4B = dict(heads=8, kv_heads=4, head_dim=256, window=1024, scale=256**-0.5)
 SHAPES = ((4, 2048), (2, 4096), (1, 8192))  # (B, T): B·T = 8192 tokens
 
@@ -125,7 +125,7 @@ def error(run, q, k, v, dout, window: int, scale: float) -> float:
     if backward:
         want_grads = torch.autograd.grad(want, wide, dout.float())
         pairs += zip(torch.autograd.grad(got, (q, k, v), dout), want_grads, strict=True)
-    return max(((a.float() - b).norm() / b.norm()).item() for a, b in pairs)
+    return max(rel_err(a, b) for a, b in pairs)
 
 
 def blocks(seq: int, window: int, block: int = 128) -> tuple[int, int]:
@@ -138,8 +138,6 @@ def blocks(seq: int, window: int, block: int = 128) -> tuple[int, int]:
 
 def measure(name: str, run, q, k, v, dout, window: int, scale: float) -> list[str]:
     """(error, GPU ms, launched ms) of one implementation: timed when exact, or when it is the causal reference."""
-    from bench_common import time_graph_and_launched
-
     err = error(run, q, k, v, dout, window, scale)
     if err > FAIL_ABOVE and "not the window" not in name:
         return [f"{err:.1e}", "FAIL", "FAIL"]
@@ -148,8 +146,6 @@ def measure(name: str, run, q, k, v, dout, window: int, scale: float) -> list[st
 
 
 def main() -> None:
-    from bench_common import markdown_table
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
