@@ -86,12 +86,17 @@ def test_direct_overloads_have_the_default_ones_fake():
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
 
 
-def step_and_code(config):
-    """(loss, LoRA gradients, Inductor's generated code) of one step of a tiny bf16 Llama LoRA model."""
+def step_and_code(config, checkpointing: bool = False):
+    """(loss, LoRA gradients, Inductor's generated code) of one step of a tiny bf16 Llama LoRA model (with
+    gradient checkpointing: the backward graph recomputes the forward's fused ops, and the gated MLP's backward is
+    written in place)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     model = copy.deepcopy(MODEL)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     run = fuser.optimize(model, config)
 
     def step():
@@ -107,14 +112,17 @@ MODEL = lora_model(torch.bfloat16)
 CALL = re.compile(r"torch\.ops\.fuser\.(\w+)\.(\w+)\(")
 
 
-def test_compiled_step_calls_direct_overloads_and_equals_the_default_ones():
-    loss_on, grads_on, code_on = step_and_code(fuser.FuserConfig(strict=True))
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
+def test_compiled_step_calls_direct_overloads_and_equals_the_default_ones(checkpointing):
+    loss_on, grads_on, code_on = step_and_code(fuser.FuserConfig(strict=True), checkpointing)
     off_config = fuser.FuserConfig.from_options({"strict": True, "direct_calls": False})
-    loss_off, grads_off, code_off = step_and_code(off_config)
+    loss_off, grads_off, code_off = step_and_code(off_config, checkpointing)
     on, off = CALL.findall(code_on), CALL.findall(code_off)
     assert on and off
     mutating = {n for n in fuser_ops() if getattr(OPS, n).default._schema.is_mutable}
     assert {o for n, o in on if n not in mutating} == {"direct"}, on
+    if checkpointing:  # the gated backward written in place: a mutating op, kept on its default overload
+        assert ("gated_activation_backward_", "default") in on, on
     assert {o for _, o in off} == {"default"}, off
     assert sorted(n for n, _ in on) == sorted(n for n, _ in off)  # the same calls, only retargeted
     assert torch.equal(loss_on, loss_off)
