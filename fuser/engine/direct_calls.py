@@ -65,11 +65,6 @@ def register() -> dict[torch._ops.OpOverload, torch._ops.OpOverload]:
     return _DIRECT
 
 
-def direct_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The direct overload of ``op`` (a default ``fuser::`` overload), or ``None`` where it has none."""
-    return _DIRECT.get(op)
-
-
 def retarget(graph: torch.fx.Graph) -> int:
     """Point every call of a fused op in ``graph`` (a post-grad graph: grad mode is off when it runs) at the op's
     direct overload; returns how many calls were retargeted."""
