@@ -7,6 +7,7 @@ with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp3
 fuser's Triton dweight kernel (``dw_kernel="triton"``) at the tile configurations of ``DW_CONFIGS``.
 
     python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
+    python benchmarks/profile_linear_cross_entropy.py --budgets 250,500,1000   # the whole forward per chunk budget
 """
 
 from __future__ import annotations
@@ -152,11 +153,74 @@ def whole_op_profile(tokens, hidden, vocab, out):
     print("\n".join(out[-4:]), flush=True)
 
 
+def chunked_variants(tokens, hidden, vocab, budgets, out):
+    """The chunked forward (all of the op's work: the backward only scales) at each logits budget: rows per chunk,
+    median ms, extra memory, and the profiler's device time per aten op / kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w = (0.02 * torch.randn(vocab, hidden, device="cuda", generator=gen)).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    ce = K.CrossEntropy(-100, "mean", 1.0, 0.0)
+    wanted = K.GradsWanted(True, True, False)
+    for budget in budgets:
+        rows = K.chunk_rows(tokens, vocab, 2, budget << 20)
+
+        def run(rows=rows):
+            real = K.chunk_rows
+            K.chunk_rows = lambda *a: rows
+            try:
+                return K._forward_chunked(h, w, None, labels, ce, wanted, K.DweightOptions(), True)
+            finally:
+                K.chunk_rows = real
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        res = run()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before - res[1].nbytes - res[2].nbytes) / 2**20
+        del res
+        t = ms(run)
+        activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as prof:
+            run()
+            torch.cuda.synchronize()
+        parts = []
+        for e in prof.key_averages():
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if e.key in ("aten::mm", "aten::addmm_", "lce_chunk_kernel") and dev > 0:
+                parts.append(f"{e.key}: {dev / 1e3:.1f}")
+        line = (
+            f"| {tokens}×{hidden}×{vocab} | {budget} | {rows} | {-(-tokens // rows)} | {t:.2f} | {extra:.0f} | "
+            f"{'; '.join(parts)} |"
+        )
+        out.append(line)
+        print(line, flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--only-dweight", action="store_true", help="only the weight-gradient rows, no profile")
+    parser.add_argument(
+        "--budgets",
+        default="",
+        help="MiB, comma-separated: only the chunked forward at each budget",
+    )
     args = parser.parse_args()
+    if args.budgets:
+        out = [
+            "| T×H×V | budget MiB | rows/chunk | chunks | ms | extra MiB | device ms per aten op |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for shape in SHAPES:
+            chunked_variants(*shape, [int(b) for b in args.budgets.split(",")], out)
+            torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(out) + "\n")
+        return
     out = [
         "| T×H×V | rows/chunk | step | ms per chunk | ms × chunks | rate |",
         "|---|---:|---|---:|---:|---:|",

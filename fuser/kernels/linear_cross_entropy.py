@@ -13,8 +13,9 @@ in PyTorch) or 1 (sum), and 0 for ignored rows. For fp16 inputs ``c`` is applied
 GradScaler's factor could lift it (bf16 has fp32's exponent range and keeps ``c`` in the forward). Then
 ``dhidden = G @ W``, ``dweight = Gᵀ @ hidden``, ``dbias = Σ_t G``.
 
-How (``_forward_chunked``): the rows are processed in chunks whose logits fit a fixed budget (:func:`chunk_rows`, a
-function of the shapes only: the fewest chunks that fit, of near-equal size). Per chunk: one tensor-core matmul writes
+How (``_forward_chunked``): the rows are processed in chunks whose logits fit a budget (:func:`logits_budget`: at
+most 1 GiB and a quarter of the whole logits; :func:`chunk_rows`, a function of the shapes only: the fewest chunks
+that fit, of near-equal size). Per chunk: one tensor-core matmul writes
 the chunk's logits in the input dtype; one Triton kernel (one program per row) computes each row's log-sum-exp online
 over the vocabulary, the row's loss, and then overwrites the logits with the row's gradient (in the input dtype, as
 eager's bf16 logits gradient is); two more matmuls turn that into the chunk's rows of ``dhidden`` and add its share of
@@ -70,12 +71,14 @@ from fuser.kernels._triton import (
 )
 
 REDUCTIONS = ("mean", "sum")
-# the budget for one chunk's logits: with the returned gradients excluded, the op's extra memory stays < 256 MiB
-# (measured 250–251 MiB at the issue's three shapes). 252 rather than 224 MiB: 16 / 8 / 19 chunks instead of
-# 18 / 9 / 22 at 8192×256000 / 8192×128256 / 16384×151936, each chunk one read and write of the [V, H] weight
-# gradient fewer: 55.3 → 54.9, 43.5 → 41.3, 103.5 → 100.5 ms on the H200
-# (benchmarks/results/linear_cross_entropy_budget_h200_2026-11-30.md)
-LOGITS_BUDGET_BYTES = 252 << 20
+# the budget for one chunk's logits, which are the op's extra memory (with the returned gradients excluded): at most
+# 1 GiB, and at most a quarter of the whole [T, V] logits, which are Inductor's extra at the same shape (measured
+# 4000 / 2004 / 4748 MiB at 8192×256000 / 8192×128256 / 16384×151936 in bf16, T·V·2 bytes each). Larger chunks
+# were faster at each of those shapes: 54.5 → 48.5, 42.6 → 41.2, 100.9 → 97.2 ms from the old 252 MiB to 1000 /
+# 500 / 1000 MiB on the H200, fewer passes over the [V, H] weight gradient
+# (benchmarks/results/linear_cross_entropy_budget_h200_2026-12-02.md)
+LOGITS_BUDGET_BYTES = 1023 << 20
+LOGITS_SHARE = 4  # a chunk's logits hold at most 1/LOGITS_SHARE of the whole logits
 # how the weight gradient's running sum over the chunks is kept, and which kernel adds each chunk's share to it
 DwAccumulator = Literal["input", "fp32"]
 DwKernel = Literal["cublas", "triton"]
@@ -113,8 +116,14 @@ class DweightOptions:
     streams: bool = True
 
 
+def logits_budget(n_rows: int, vocab: int, itemsize: int) -> int:
+    """Bytes one chunk's logits may take: ``LOGITS_BUDGET_BYTES`` or a ``1/LOGITS_SHARE`` share of the whole logits,
+    whichever is smaller."""
+    return min(LOGITS_BUDGET_BYTES, n_rows * vocab * itemsize // LOGITS_SHARE)
+
+
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None) -> int:
-    """Rows per chunk: the fewest chunks whose logits each fit ``budget`` bytes (default ``LOGITS_BUDGET_BYTES``),
+    """Rows per chunk: the fewest chunks whose logits each fit ``budget`` bytes (default :func:`logits_budget`),
     split as evenly as a multiple of 8 rows allows; never below 64 rows (one tensor-core tile), even over budget.
 
     Even, not "as many as fit, then the rest" (the same number of chunks): every chunk costs one read and write of the
@@ -122,7 +131,7 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int | None = None
     efficiency (8200 rows at V = 256000: 16 chunks of 488 and one of 392, not 16 of 512 and one of 8). Multiples of
     8 keep the matmuls' K (the weight gradient's) 16-byte aligned.
     """
-    budget = LOGITS_BUDGET_BYTES if budget is None else budget
+    budget = logits_budget(n_rows, vocab, itemsize) if budget is None else budget
     most = max(64, budget // max(1, vocab * itemsize) // 8 * 8)
     if n_rows <= most:
         return max(1, n_rows)

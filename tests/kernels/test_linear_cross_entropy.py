@@ -714,14 +714,30 @@ def test_chunk_rows(budget):
 
 
 def test_chunk_rows_at_real_shapes():
-    assert lce_module.LOGITS_BUDGET_BYTES == 252 << 20  # the figures below are for this budget
-    assert chunk_rows(8192, 128256, 2) == 1024  # Llama-3: 8 chunks; 1024 · 128256 · 2 B = 250.5 MiB ≤ 252 MiB
-    assert chunk_rows(8192, 256000, 2) == 512  # Gemma: 16 chunks; 250.0 MiB
-    assert chunk_rows(16384, 151936, 2) == 864  # Qwen: 19 chunks (at most 864 fit: 16384 / 864 → 19); 250.4 MiB
-    assert chunk_rows(8192, 32000, 2) == 4096  # 2 even chunks (at most 4128 fit)
-    assert chunk_rows(100, 32000, 2) == 100
+    assert lce_module.LOGITS_BUDGET_BYTES == 1023 << 20 and lce_module.LOGITS_SHARE == 4  # the figures below
+    assert chunk_rows(8192, 128256, 2) == 2048  # Llama-3: 4 chunks of 501 MiB, a quarter of the 2004 MiB logits
+    assert chunk_rows(8192, 256000, 2) == 2048  # Gemma: 4 chunks of 1000.0 MiB, a quarter
+    assert chunk_rows(16384, 151936, 2) == 3280  # Qwen: 5 chunks of 950.5 MiB (a quarter, 1187 MiB, is over 1 GiB)
+    assert chunk_rows(8192, 262208, 2) == 1640  # Gemma-3: 5 chunks of 820.2 MiB (a quarter is 1024.25 MiB)
+    assert chunk_rows(100, 32000, 2) == 56  # 2 chunks: at most 64 rows (one tile), even over a quarter
     assert chunk_rows(4096, 4_000_000, 4) == 64  # never below one tensor-core tile, even over the budget
     assert split(70, 64) == [40, 30] and split(130, 64) == [48, 48, 34] and split(33, 64) == [33]
+
+
+@pytest.mark.parametrize(
+    "n_rows, vocab, itemsize",
+    [(8192, 128256, 2), (8192, 256000, 2), (16384, 151936, 2), (2048, 32000, 2), (4096, 50257, 4), (100000, 262208, 2)],
+)
+def test_default_budget_is_a_quarter_of_the_logits_and_at_most_a_gib(n_rows, vocab, itemsize):
+    """The default chunk's logits (the op's extra memory) never exceed 1 GiB or a quarter of the whole logits
+    (Inductor's extra at the same shape), and the chunks are the fewest that fit."""
+    rows = chunk_rows(n_rows, vocab, itemsize)
+    chunk = rows * vocab * itemsize
+    assert chunk <= 1 << 30 and chunk * 4 <= n_rows * vocab * itemsize
+    assert (
+        chunk
+        == chunk_rows(n_rows, vocab, itemsize, lce_module.logits_budget(n_rows, vocab, itemsize)) * vocab * itemsize
+    )
 
 
 def test_op_uses_chunk_rows(path, gen, monkeypatch):
