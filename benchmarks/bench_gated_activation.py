@@ -2,7 +2,7 @@
 
 bf16 gate g and up u (both requiring grad) and a random upstream gradient dout. SwiGLU ``F.silu(g) * u`` for
 intermediate size I in (8192, 14336, 28672) × rows in (8192, 16384), then GeGLU ``F.gelu(g, approximate="tanh")
-* u`` at I = 16384, rows = 8192:
+* u`` at I = 16384 and 10240 (Gemma-3-4B), rows = 8192 (``--ops geglu``: GeGLU only):
 
 - eager: the formula as models write it; Inductor: ``torch.compile`` of that (static shapes, recompiled per
   shape); Liger-Kernel: ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (``n/a`` when not installed; its
@@ -52,7 +52,7 @@ from bench_common import (
 )
 
 SWIGLU_SHAPES = [(i, rows) for i in (8192, 14336, 28672) for rows in (8192, 16384)]  # (intermediate, rows)
-GEGLU_SHAPES = [(16384, 8192)]
+GEGLU_SHAPES = ((16384, 8192), (10240, 8192))  # (I, rows); 10240: Gemma-3-4B's intermediate size
 DTYPE = torch.bfloat16
 NOMINAL_COPY_TBPS = 4.3  # H200 device-to-device copy, bytes read + written
 
@@ -229,6 +229,7 @@ def run(args) -> str:
     tables = {"gpu": [], "gpu_forward": [], "launched": []}
     error_rows = []
     cases = [("swiglu", i, rows) for i, rows in SWIGLU_SHAPES] + [("geglu", i, rows) for i, rows in GEGLU_SHAPES]
+    cases = [c for c in cases if c[0] in args.ops.split(",")]
     for kind, intermediate, rows in cases:
         ms, err = bench_shape(kind, intermediate, rows, fuser_ops, liger_fns)
         elements = rows * intermediate * DTYPE.itemsize
@@ -291,6 +292,7 @@ def run(args) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    parser.add_argument("--ops", default="swiglu,geglu", help="comma-separated subset of swiglu,geglu")
     args = parser.parse_args(argv)
     report = run(args)
     print()
