@@ -9,6 +9,7 @@ as it is (its causal_attention pattern takes only the plain causal mask). Implem
 k, v (``[B, H, T, D]``, k and v with the kv heads):
 
 - ``masked sdpa``: what the model runs (repeat_kv copies, boolean mask, the backend SDPA picks);
+- ``fuser window_sdpa``: what fuser's causal_attention pattern calls instead (FlashAttention-2's window kernels);
 - ``flex (window)``: ``flex_attention`` compiled, with a block mask of the window (blocks outside it are skipped),
   ``enable_gqa=True`` (no copies);
 - ``causal sdpa (not the window)``: ``is_causal=True`` with SDPA's GQA: the global layers' call, the work of a plain
@@ -95,9 +96,21 @@ def flex_window(window: int, scale: float, compiled: bool = True):
     return run
 
 
+def fuser_window(window: int, scale: float):
+    """fuser's ``window_sdpa``, what the causal_attention pattern puts in place of the masked call (FlashAttention's
+    window kernels on a GPU; the masked SDPA elsewhere)."""
+    from fuser.kernels.window_attention import window_sdpa
+
+    def run(q, k, v):
+        return window_sdpa(q, k, v, window, scale=scale, enable_gqa=True)
+
+    return run
+
+
 def implementations(window: int, scale: float, compiled: bool = True) -> dict:
     return {
         "masked sdpa": masked_sdpa(window, scale),
+        "fuser window_sdpa": fuser_window(window, scale),
         "flex (window)": flex_window(window, scale, compiled),
         "causal sdpa (not the window)": causal_sdpa(window, scale),
     }

@@ -2,8 +2,8 @@
 
 The graphs are written as Hugging Face transformers 5.17 builds them under ``torch.compile`` (the mask from
 ``arange`` comparisons, expanded over the batch; captured from a tiny Llama and copied here by hand), and as
-near-misses that must stay as written: a sliding window, a padding mask from the batch, a finite float fill, a
-random mask, unequal lengths, dynamic shapes.
+near-misses that must stay as written: a window with a hole, a two-sided band, a mask written in place, a padding
+mask from the batch, a finite float fill, a random mask, unequal lengths, dynamic shapes.
 """
 
 from __future__ import annotations
@@ -136,9 +136,22 @@ def test_mask_computed_outside_a_checkpointed_body(gen):
 # --- near-misses: left as written, with the reason --------------------------------------------------------------
 
 
-def sliding_window(q, k, v):
+def window_with_a_hole(q, k, v):  # a causal window of 4 with one more key hidden from the last query
     i = torch.arange(q.shape[-2])
     mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4)
+    hole = (i[:, None] == i[-1]) & (i[None, :] == i[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & ~hole)
+
+
+def causal_written_in_place(q, k, v):  # the causal mask's nodes, then one cell cleared in place: not causal
+    mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+    mask[-1, 0] = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def band(q, k, v):  # a two-sided window: not causal
+    i = torch.arange(q.shape[-2])
+    mask = (i[:, None] - i[None, :]).abs() < 4
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -167,11 +180,13 @@ def one_batch_differs(q, k, v):  # causal for batch 0, a window for batch 1
 @pytest.mark.parametrize(
     "fn, reason",
     [
-        (sliding_window, "not the plain causal mask"),
+        (window_with_a_hole, "neither the plain causal mask nor a causal sliding window"),
+        (causal_written_in_place, "modified in place"),
+        (band, "neither the plain causal mask nor a causal sliding window"),
         (finite_fill, "values other than 0 and -inf"),
         (random_mask, "random op"),
-        (upper_triangle, "not the plain causal mask"),
-        (one_batch_differs, "not the plain causal mask"),
+        (upper_triangle, "neither the plain causal mask nor a causal sliding window"),
+        (one_batch_differs, "neither the plain causal mask nor a causal sliding window"),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )

@@ -1,0 +1,120 @@
+"""A causal sliding-window mask passed to SDPA becomes :func:`fuser.kernels.window_attention.window_sdpa`, only when
+the mask is proved to be that window (``causal_attention`` pattern, ``sliding_window`` switch).
+
+On the CPU ``window_sdpa`` runs the masked SDPA with the window it was given, so a wrong window or a wrong kv-head
+mapping shows as a different result from eager's; the GPU tests of ``tests/kernels/test_window_attention.py`` cover
+the FlashAttention kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuser
+from fuser.kernels import window_attention as W
+
+B, HQ, HKV, T, D = 2, 4, 2, 16, 8
+STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
+
+
+def inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, T, D, generator=gen).requires_grad_()
+    k = torch.randn(B, HKV, T, D, generator=gen).requires_grad_()
+    v = torch.randn(B, HKV, T, D, generator=gen).requires_grad_()
+    return q, k, v
+
+
+def repeat_kv(x, n_rep):  # transformers' spelling
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def hf_sliding(q, k, v, window=5, dropout_p=0.0):
+    """transformers' sliding_window_causal mask under torch.compile: arange comparisons, expanded over the batch."""
+    t = q.shape[-2]
+    kv_idx = torch.arange(t, device=q.device)[None, None, None, :]
+    q_idx = torch.arange(t, device=q.device)[None, None, :, None]
+    mask = ((kv_idx <= q_idx) & (kv_idx > q_idx - window)).expand(q.shape[0], -1, t, t)
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask, dropout_p=dropout_p, scale=0.3
+    )
+
+
+@pytest.mark.parametrize("window", [1, 5, T - 1])
+def test_sliding_window_is_rewritten_and_equal(window):
+    q, k, v = inputs(window)
+    report = fuser.explain(hf_sliding, q, k, v, window, config=STRICT)
+    assert report.counts == {"causal_attention": 1}, str(report)
+    compiled = torch.compile(hf_sliding, backend=fuser.backend(STRICT))
+    out = compiled(q, k, v, window)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    expected = hf_sliding(q, k, v, window)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), dout)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_the_replacement_gets_the_window_and_the_unexpanded_heads(monkeypatch):
+    seen = []
+
+    def spy(query, key, value, window, dropout_p=0.0, scale=None, enable_gqa=False):
+        seen.append((tuple(key.shape), window, scale, enable_gqa))
+        return W.window_sdpa(query, key, value, window, dropout_p, scale, enable_gqa)
+
+    monkeypatch.setattr("fuser.patterns.causal_attention.window_sdpa", spy)
+    q, k, v = inputs(3)
+    torch.compile(hf_sliding, backend=fuser.backend(STRICT))(q, k, v, 6)
+    assert seen and set(seen) == {((B, HKV, T, D), 6, 0.3, True)}  # traced once per pass, always so
+
+
+def test_a_window_as_long_as_the_sequence_is_plain_causal():
+    q, k, v = inputs(4)
+    report = fuser.explain(hf_sliding, q, k, v, T, config=STRICT)
+    assert report.counts == {"causal_attention": 1}
+
+
+def test_switched_off_and_dropout_are_declined():
+    q, k, v = inputs(5)
+    off = fuser.FuserConfig(
+        patterns=("causal_attention",), inner_compiler="aot_eager", causal_attention={"sliding_window": False}
+    )
+    report = fuser.explain(hf_sliding, q, k, v, 5, config=off)
+    assert report.counts == {}
+    assert any("sliding window of 5 keys (causal_attention.sliding_window is off)" in nm.reason
+               for nm in report.near_misses), str(report)  # fmt: skip
+    report = fuser.explain(hf_sliding, q, k, v, 5, 0.1, config=STRICT)
+    assert report.counts == {}
+    assert any("with dropout" in nm.reason for nm in report.near_misses), str(report)
+
+
+def test_gemma3_sliding_layers_train_as_in_eager():
+    """A tiny Gemma-3 (two sliding layers of window 4, one global): both sliding layers are rewritten, and one fp32
+    training step gives eager's loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    config = fuser.FuserConfig(inner_compiler="aot_eager")
+    report = fuser.explain(model, input_ids=ids, labels=ids, config=config)
+    attention = [line for line in str(report).splitlines() if line.startswith("causal_attention")]
+    assert len(attention) == 2 and all("layers.0." in a or "layers.1." in a for a in attention), str(report)
+
+    eager_loss = model(input_ids=ids, labels=ids).loss
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    fused = fuser.optimize(model, config)
+    loss = fused(input_ids=ids, labels=ids).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
