@@ -237,6 +237,8 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         raise Decline(f"a causal sliding window of {window} keys (causal_attention.sliding_window is off)")
     if window is not None and b["dropout_p"] != 0:
         raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
+    if window is not None:
+        _check_window_operands(q, k, v, bool(b["enable_gqa"]), window)
     if memo[lq] is not None and window is None:
         if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             _check_runtime_variant(found)
@@ -249,6 +251,20 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     if window is not None:
         return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa))
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
+
+
+def _check_window_operands(q: Node, k: Node, v: Node, enable_gqa: bool, window: int) -> None:
+    """Decline a window whose q, k, v the window op does not take as they are: [B, H, T, D] each, one batch size
+    (no broadcasting), one head size, and k / v heads equal to q's (or a divisor of them, with ``enable_gqa``)."""
+    metas = [tensor_meta(n) for n in (q, k, v)]
+    what = f"a causal sliding window of {window} keys"
+    if any(m is None or m.dim() != 4 for m in metas):
+        raise Decline(f"{what} on q, k, v that are not all [batch, heads, tokens, head_dim]")
+    (bq, hq, _, dq), (bk, hk, _, dk), (bv, hv, _, dv) = (tuple(m.shape) for m in metas)
+    if not bq == bk == bv or not dq == dk == dv or hk != hv:
+        raise Decline(f"{what} on q, k, v of shapes {[tuple(m.shape) for m in metas]} (broadcast or unequal)")
+    if hk != hq and not (enable_gqa and hq % hk == 0):
+        raise Decline(f"{what} with {hq} query heads and {hk} key heads without enable_gqa")
 
 
 def _is_call(node: object, *names: str) -> bool:

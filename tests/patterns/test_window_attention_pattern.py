@@ -118,3 +118,27 @@ def test_gemma3_sliding_layers_train_as_in_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for g, e in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_operands_the_window_op_does_not_take_are_declined():
+    """3-D q/k/v (no batch dim) and a key with one head broadcast over the query's: SDPA takes both, the window op
+    neither, so the call stays as written (and still computes eager's values)."""
+
+    def unbatched(q, k, v):
+        i = torch.arange(q.shape[-2])
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(HQ, T, D, generator=gen) for _ in range(3))
+    report = fuser.explain(unbatched, q, k, v, config=STRICT)
+    assert report.counts == {}
+    assert any("not all [batch, heads, tokens, head_dim]" in nm.reason for nm in report.near_misses), str(report)
+    torch._dynamo.reset()  # new shapes below: a fresh static compile, not a dynamic recompile
+    q, k, v = (torch.randn(B, h, T, D, generator=gen) for h in (HQ, 1, 1))
+    report = fuser.explain(unbatched, q, k, v, config=STRICT)
+    assert report.counts == {}
+    assert any("without enable_gqa" in nm.reason for nm in report.near_misses), str(report)
+    torch._dynamo.reset()
+    out = torch.compile(unbatched, backend=fuser.backend(STRICT))(q, k, v)
+    torch.testing.assert_close(out, unbatched(q, k, v))
