@@ -44,7 +44,7 @@ def window_mask(length: int, window: int, device: torch.device | str = "cpu") ->
 
 @functools.cache
 def _aten_has_window() -> bool:
-    """Whether this PyTorch's FlashAttention ops take ``window_size_left`` (PyTorch ≥ 2.6)."""
+    """Whether this PyTorch's FlashAttention ops take ``window_size_left`` (2.11 and 2.13 do)."""
     try:
         schema = torch.ops.aten._flash_attention_forward.default._schema
         back = torch.ops.aten._flash_attention_backward.default._schema
