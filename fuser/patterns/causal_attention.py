@@ -96,7 +96,6 @@ MAX_EVALUATED_LENGTH = 65536
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 _INPUT_DEPENDENT = "the mask depends on the graph input"
 _MEMO_KEY = "fuser_causal_mask"  # node.meta: the verdict on a mask node, shared by the layers that use it
-_WINDOW = "window "  # a verdict that proves a causal sliding window: this prefix, then the window's key count
 
 
 def causal_sdpa(query, key, value, dropout_p=0.0, scale=None, enable_gqa=False):
@@ -179,8 +178,9 @@ def _evaluate(mask: Node) -> torch.Tensor:
     return value
 
 
-def _causal_verdict(mask: Node, length: int) -> str | None:
-    """None when ``mask`` is the plain causal mask of ``length`` (for every batch and head), else why not."""
+def _causal_verdict(mask: Node, length: int) -> str | int | None:
+    """None when ``mask`` is the plain causal mask of ``length`` (for every batch and head), the window ``w`` when it
+    is the causal sliding window of ``w < length`` keys, else why not (a string)."""
     meta = tensor_meta(mask)
     if meta is None or meta.dim() < 2 or tuple(meta.shape[-2:]) != (length, length):
         return f"the mask's shape {None if meta is None else tuple(meta.shape)} does not end in [{length}, {length}]"
@@ -206,7 +206,7 @@ def _causal_verdict(mask: Node, length: int) -> str | None:
         return None
     window = int(allowed.reshape(-1, length, length)[0, -1].sum())  # the last query sees the window's keys
     if 0 < window < length and bool((allowed == window_mask(length, window)).all()):
-        return f"{_WINDOW}{window}"
+        return window
     return "the mask is neither the plain causal mask nor a causal sliding window (prefix or document mask?)"
 
 
@@ -232,14 +232,14 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     if lq not in memo:
         memo[lq] = _causal_verdict(source, lq)
     enable_gqa = bool(b["enable_gqa"])
-    window = int(memo[lq][len(_WINDOW) :]) if memo[lq] is not None and memo[lq].startswith(_WINDOW) else None
+    window = memo[lq] if isinstance(memo[lq], int) else None
     if window is not None and not config.causal_attention.sliding_window:
         raise Decline(f"a causal sliding window of {window} keys (causal_attention.sliding_window is off)")
     if window is not None and b["dropout_p"] != 0:
         raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
     if window is not None:
         _check_window_operands(q, k, v, bool(b["enable_gqa"]), window)
-    if memo[lq] is not None and window is None:
+    if isinstance(memo[lq], str):
         if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             _check_runtime_variant(found)
             return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa))
