@@ -34,15 +34,10 @@ import torch
 import torch.nn.functional as F
 from bench_common import FAIL_ABOVE, markdown_table, rel_err, time_graph_and_launched
 
+from fuser.kernels.window_attention import window_mask, window_sdpa  # window_mask: i - window < j <= i
+
 GEMMA3_4B = dict(heads=8, kv_heads=4, head_dim=256, window=1024, scale=256**-0.5)
 SHAPES = ((4, 2048), (2, 4096), (1, 8192))  # (B, T): B·T = 8192 tokens
-
-
-def window_mask(seq: int, window: int, device) -> torch.Tensor:
-    """``[T, T]`` boolean: query i sees key j when ``i - window < j <= i``."""
-    i = torch.arange(seq, device=device)[:, None]
-    j = torch.arange(seq, device=device)[None, :]
-    return (j <= i) & (j > i - window)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -99,7 +94,6 @@ def flex_window(window: int, scale: float, compiled: bool = True):
 def fuser_window(window: int, scale: float):
     """fuser's ``window_sdpa``, what the causal_attention pattern puts in place of the masked call (FlashAttention's
     window kernels on a GPU; the masked SDPA elsewhere)."""
-    from fuser.kernels.window_attention import window_sdpa
 
     def run(q, k, v):
         return window_sdpa(q, k, v, window, scale=scale, enable_gqa=True)

@@ -10,7 +10,8 @@ kernel that computes every score block, the ones outside the window too. The ``c
 mask is exactly this window (``fuser/patterns/causal_attention.py``) and calls :func:`window_sdpa` instead.
 
 How: q ``[B, Hq, T, D]``, k and v ``[B, Hkv, T, D]`` (the unexpanded heads) are laid out as FlashAttention's
-variable-length ``[B·T, H, D]`` rows (one copy each; every sequence has length T) and given to
+variable-length ``[B·T, H, D]`` rows (every sequence has length T; a view for Hugging Face's ``[B, T, H, D]``
+storage, a copy otherwise) and given to
 ``aten::_flash_attention_forward`` with ``window_size_left = window − 1, window_size_right = 0``; it skips the
 blocks outside the window and reads each kv head once for its query heads. The backward is
 ``aten::_flash_attention_backward`` with the same window, from the saved q, k, v, output and log-sum-exp. Both
@@ -116,14 +117,18 @@ def _cu_seqlens(b: int, t: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=device)
 
 
+def _scores(q, k, v, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v expanded to the query heads, the window-masked scores ``scale·q·kᵀ``), all fp32."""
+    n_rep = q.shape[1] // k.shape[1]
+    kf, vf = (x.float().repeat_interleave(n_rep, dim=1) for x in (k, v))
+    scores = (q.float() @ kf.transpose(-1, -2)) * scale
+    return kf, vf, scores.masked_fill(~window_mask(q.shape[2], window, q.device), float("-inf"))
+
+
 def _reference(q, k, v, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) in fp32 by explicit maths: the CPU kernel and the test oracle. lse is ``[Hq, B·T]``."""
     b, hq, t, d = q.shape
-    n_rep = hq // k.shape[1]
-    kf = k.float().repeat_interleave(n_rep, dim=1)
-    vf = v.float().repeat_interleave(n_rep, dim=1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~window_mask(t, window, q.device), float("-inf"))
+    _, vf, scores = _scores(q, k, v, window, scale)
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, T]
     out = torch.softmax(scores, dim=-1) @ vf
     return out, lse.permute(1, 0, 2).reshape(hq, b * t)
@@ -136,9 +141,8 @@ def _reference_backward(grad_out, q, k, v, window: int, scale: float):
     hkv = k.shape[1]
     n_rep = hq // hkv
     qf, do = q.float(), grad_out.float()
-    kf, vf = (x.float().repeat_interleave(n_rep, dim=1) for x in (k, v))
-    scores = (qf @ kf.transpose(-1, -2)) * scale
-    p = torch.softmax(scores.masked_fill(~window_mask(t, window, q.device), float("-inf")), dim=-1)
+    kf, vf, scores = _scores(q, k, v, window, scale)
+    p = torch.softmax(scores, dim=-1)
     out = p @ vf
     ds = p * (do @ vf.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
     dq = (ds @ kf) * scale
