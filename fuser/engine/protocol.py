@@ -94,6 +94,9 @@ class Replacement:
     output_adapter: Callable[[torch.fx.Graph, Node], Node] | None = None
     # interior nodes the graph returns that the op never computes (logits): the graph returns None in their place
     dropped_outputs: tuple[Node, ...] = ()
+    # what the check found, when the variant's name alone would not say it (a mask proved to be a window of 1024
+    # keys: "window 1024"): the report's variant column shows it instead of the variant's name
+    variant: str | None = None
 
 
 def _always(config: FuserConfig) -> bool:

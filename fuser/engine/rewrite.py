@@ -217,9 +217,9 @@ def _try_patterns(
                         result.near_misses.append(nm)
                         log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
                     continue
-                match = Match(pattern.name, variant.name, found, replacement, graph_name)
+                match = Match(pattern.name, replacement.variant or variant.name, found, replacement, graph_name)
                 result.matches.append(match)
-                log.debug("fuser: %s (%s) at %s", pattern.name, variant.name, match.where)
+                log.debug("fuser: %s (%s) at %s", pattern.name, match.variant, match.where)
                 return match
     return None
 

@@ -249,7 +249,7 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
             k, v, enable_gqa = k_kv[0], v_kv[0], True
     if window is not None:
-        return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa))
+        return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa), variant=f"window {window}")
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
 
 
