@@ -240,6 +240,8 @@ PRESETS: dict[str, Preset] = {
     "llama3-8b": Preset("llama3-8b", 4, 2, 1024, 12, 1e-5, "Llama-3-8B widths"),
     "qwen3-8b": Preset("qwen3-8b", 4, 2, 1024, 12, 1e-5, "Qwen3-8B widths"),
     "llama32-1b": Preset("llama32-1b", 16, 2, 1024, 12, 1e-5, "Llama-3.2-1B"),  # all 16 layers
+    # 2048 tokens a row, so the five sliding layers' window of 1024 keys is narrower than the sequence
+    "gemma3-4b": Preset("gemma3-4b", 6, 2, 2048, 12, 1e-4, "Gemma-3-4B widths, 5 sliding + 1 global"),
     "cpu-small": Preset("cpu-small", 1, 2, 128, 8, 3e-6, "issue 16's small CPU Llama"),
     "cpu-tiny": Preset("cpu-tiny", 1, 2, 64, 8, 3e-6, "a smaller CPU Llama that shows issue 16"),
 }
