@@ -146,3 +146,55 @@ def test_operands_the_window_op_does_not_take_are_declined():
     torch._dynamo.reset()
     out = torch.compile(unbatched, backend=fuser.backend(STRICT))(q, k, v)
     torch.testing.assert_close(out, unbatched(q, k, v))
+
+
+# sliding-window families beside Gemma-3, each as its config spells the window (a tiny random model, window 8 at 24
+# tokens, so every sliding layer's mask is narrower than the sequence)
+WINDOW_ARCHS = {
+    "mistral": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
+    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
+    "starcoder2": {},
+    "cohere2": {},
+    "olmo3": {},
+    "exaone4": {},
+}
+
+
+@pytest.mark.parametrize("model_type", list(WINDOW_ARCHS))
+def test_sliding_window_families_train_as_in_eager(model_type):
+    """Every sliding layer of each family is rewritten to a window of 8 (named so in the report), no other
+    causal_attention rewrite is a window, and one fp32 training step gives eager's loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        attn_implementation="sdpa", use_cache=False, **WINDOW_ARCHS[model_type],
+    )  # fmt: skip
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **fields)
+    except (KeyError, ValueError) as e:  # a transformers without this family
+        pytest.skip(f"{model_type}: {e}")
+    layer_types = getattr(cfg, "layer_types", None)  # none: the window applies to every layer (Mistral's config)
+    sliding = [t == "sliding_attention" for t in layer_types] if layer_types else [True] * cfg.num_hidden_layers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    config = fuser.FuserConfig(inner_compiler="aot_eager")
+    report = fuser.explain(model, input_ids=ids, labels=ids, config=config)
+    windows = [m.module for m in report.matches if m.variant == "window 8"]
+    assert len(windows) == sum(sliding) > 0, str(report)
+    for i, is_sliding in enumerate(sliding):
+        assert sum(f"layers.{i}." in w for w in windows) == int(is_sliding), str(report)
+    assert all(m.variant in ("window 8", "explicit mask") for m in report.matches if m.pattern == "causal_attention")
+
+    params = list(model.parameters())
+    eager_loss = model(input_ids=ids, labels=ids).loss
+    eager_grads = torch.autograd.grad(eager_loss, params)
+    fused = fuser.optimize(model, config)
+    loss = fused(input_ids=ids, labels=ids).loss
+    grads = torch.autograd.grad(loss, params)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
