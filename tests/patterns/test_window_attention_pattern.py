@@ -156,6 +156,7 @@ WINDOW_ARCHS = {
     "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
     "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
     "starcoder2": {},
+    "phi3": {"pad_token_id": 0},  # its default pad id (32000) is outside the tiny vocabulary
     "cohere2": {},
     "olmo3": {},
     "exaone4": {},
