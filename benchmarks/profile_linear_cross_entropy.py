@@ -2,12 +2,15 @@
 and a torch.profiler kernel table of the whole op. A tool for choosing the implementation, not a test.
 
 Per shape (bf16, rows per chunk as ``chunk_rows`` gives): the logits matmul, the Triton loss+gradient kernel
-(launch configurations swept), the dhidden matmul (plain, and split over the vocabulary into S batched matmuls
-with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32 and into a fresh buffer, and
-fuser's Triton dweight kernel (``dw_kernel="triton"``) at the tile configurations of ``DW_CONFIGS``.
+(launch configurations and loop options swept, ``CE_CONFIGS``), the dhidden matmul (plain, and split over the
+vocabulary into S batched matmuls with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32
+and into a fresh buffer, and fuser's Triton dweight kernel (``dw_kernel="triton"``) at the tile configurations of
+``DW_CONFIGS``.
 
     python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
     python benchmarks/profile_linear_cross_entropy.py --budgets 250,500,1000   # the whole forward per chunk budget
+    python benchmarks/profile_linear_cross_entropy.py --budgets 1000 --kernels "LANE_SUMS=True;num_warps=8"
+        # the whole forward at one budget with the loss kernel's default and each listed configuration, in place
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ DW_CONFIGS = [
     {"BLOCK_V": 256, "BLOCK_H": 128, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 5},
     {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_R": 128, "GROUP_V": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_V": 256, "BLOCK_H": 64, "BLOCK_R": 64, "GROUP_V": 8, "num_warps": 4, "num_stages": 4},
+]
+
+
+# the loss kernel's launch configurations (``K.CHUNK_KERNEL_CONFIG``'s keys), the default first
+_DEFAULT_CE = tuple(K.CHUNK_KERNEL_CONFIG[k] for k in ("BLOCK_V", "num_warps", "LANE_SUMS"))
+CE_CONFIGS = [dict(K.CHUNK_KERNEL_CONFIG)] + [
+    {"BLOCK_V": block_v, "num_warps": warps, "LANE_SUMS": lane}
+    for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
+    for lane in (False, True)
+    if (block_v, warps, lane) != _DEFAULT_CE
 ]
 
 
@@ -79,16 +92,16 @@ def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
         return
     add("logits mm", ms(lambda: torch.mm(h, w.t(), out=logits)), flop)
     base = logits.clone()
-    for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
+    for cfg in CE_CONFIGS:
 
-        def ce(block_v=block_v, warps=warps):
+        def ce(cfg=cfg):
             K.lce_chunk_kernel[(rows,)](
                 logits, labels, loss, scale, logits.stride(0), vocab, -100, 1.0, 1.0,
-                HAS_SOFTCAP=False, WRITE_GRAD=True, BLOCK_V=block_v, num_warps=warps,
+                HAS_SOFTCAP=False, WRITE_GRAD=True, **cfg,
             )  # fmt: skip
 
         logits.copy_(base)
-        add(f"CE kernel BLOCK_V {block_v} warps {warps}", ms(ce))
+        add("CE kernel " + " ".join(f"{k}={v}" for k, v in cfg.items()), ms(ce))
     logits.copy_(base)
     add("dh mm (G @ W)", ms(lambda: torch.mm(logits, w, out=dh)), flop)
     for splits in (2, 4, 8):
@@ -153,17 +166,20 @@ def whole_op_profile(tokens, hidden, vocab, out):
     print("\n".join(out[-4:]), flush=True)
 
 
-def chunked_variants(tokens, hidden, vocab, budgets, out):
-    """The chunked forward (all of the op's work: the backward only scales) at each logits budget: rows per chunk,
-    median ms, extra memory, and the profiler's device time per aten op / kernel."""
+def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
+    """The chunked forward (all of the op's work: the backward only scales) at each logits budget, and with each of
+    ``kernel_cfgs`` (changes to ``K.CHUNK_KERNEL_CONFIG``; none: the default): rows per chunk, median ms, extra
+    memory, and the profiler's device time per aten op / kernel."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     w = (0.02 * torch.randn(vocab, hidden, device="cuda", generator=gen)).bfloat16()
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     ce = K.CrossEntropy(-100, "mean", 1.0, 0.0)
     wanted = K.GradsWanted(True, True, False)
-    for budget in budgets:
+    for budget, changes in [(b, dict(c)) for b in budgets for c in kernel_cfgs]:
         rows = K.chunk_rows(tokens, vocab, 2, budget << 20)
+        saved = dict(K.CHUNK_KERNEL_CONFIG)
+        K.CHUNK_KERNEL_CONFIG.update(changes)
 
         def run(rows=rows):
             real = K.chunk_rows
@@ -190,13 +206,29 @@ def chunked_variants(tokens, hidden, vocab, budgets, out):
             dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
             if e.key in ("aten::mm", "aten::addmm_", "lce_chunk_kernel") and dev > 0:
                 parts.append(f"{e.key}: {dev / 1e3:.1f}")
+        K.CHUNK_KERNEL_CONFIG.clear()
+        K.CHUNK_KERNEL_CONFIG.update(saved)
+        kernel = " ".join(f"{k}={v}" for k, v in changes.items()) or "default"
         line = (
-            f"| {tokens}×{hidden}×{vocab} | {budget} | {rows} | {-(-tokens // rows)} | {t:.2f} | {extra:.0f} | "
-            f"{'; '.join(parts)} |"
+            f"| {tokens}×{hidden}×{vocab} | {budget} | {kernel} | {rows} | {-(-tokens // rows)} | {t:.2f} | "
+            f"{extra:.0f} | {'; '.join(parts)} |"
         )
         out.append(line)
         print(line, flush=True)
         torch.cuda.empty_cache()
+
+
+def parse_kernel(text: str) -> tuple[tuple[str, object], ...]:
+    """'LANE_SUMS=True,num_warps=8' → (("LANE_SUMS", True), ("num_warps", 8)); keys of ``K.CHUNK_KERNEL_CONFIG``."""
+    pairs = []
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in K.CHUNK_KERNEL_CONFIG:
+            raise SystemExit(f"--kernels: {key!r} is not one of {sorted(K.CHUNK_KERNEL_CONFIG)}")
+        pairs.append((key, {"True": True, "False": False}.get(value, value)))
+        if isinstance(pairs[-1][1], str):
+            pairs[-1] = (key, int(value))
+    return tuple(pairs)
 
 
 def main() -> None:
@@ -208,14 +240,21 @@ def main() -> None:
         default="",
         help="MiB, comma-separated: only the chunked forward at each budget",
     )
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help="with --budgets: ';'-separated loss-kernel configurations beside the default, each "
+        "'KEY=VALUE,...' of CHUNK_KERNEL_CONFIG (e.g. 'LANE_SUMS=True;LANE_SUMS=True,num_warps=8')",
+    )
     args = parser.parse_args()
     if args.budgets:
         out = [
-            "| T×H×V | budget MiB | rows/chunk | chunks | ms | extra MiB | device ms per aten op |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "| T×H×V | budget MiB | loss kernel | rows/chunk | chunks | ms | extra MiB | device ms per aten op |",
+            "|---|---:|---|---:|---:|---:|---:|---|",
         ]
+        kernel_cfgs = [()] + [parse_kernel(k) for k in args.kernels.split(";") if k]
         for shape in SHAPES:
-            chunked_variants(*shape, [int(b) for b in args.budgets.split(",")], out)
+            chunked_variants(*shape, [int(b) for b in args.budgets.split(",")], out, kernel_cfgs)
             torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:

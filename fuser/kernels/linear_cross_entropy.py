@@ -269,15 +269,22 @@ if HAS_TRITON:
         HAS_SOFTCAP: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        LANE_SUMS: tl.constexpr,
     ):
+        # LANE_SUMS: pass 1 keeps its two sums per lane and reduces them once after the loop (one block reduction per
+        # block, the max, instead of three)
         row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)
         # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
         # (s_rest: the same sum without the label's column)
         m = tl.full((), -float("inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        s_rest = tl.zeros((), tl.float32)
+        if LANE_SUMS:
+            s = tl.zeros((BLOCK_V,), tl.float32)
+            s_rest = tl.zeros((BLOCK_V,), tl.float32)
+        else:
+            s = tl.zeros((), tl.float32)
+            s_rest = tl.zeros((), tl.float32)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
@@ -287,9 +294,16 @@ if HAS_TRITON:
             m_new = tl.maximum(m, tl.max(z, axis=0))
             e = tl.exp(z - m_new)
             rescale = tl.exp(m - m_new)
-            s = s * rescale + tl.sum(e, axis=0)
-            s_rest = s_rest * rescale + tl.sum(tl.where(cols == label, 0.0, e), axis=0)
+            if LANE_SUMS:
+                s = s * rescale + e
+                s_rest = s_rest * rescale + tl.where(cols == label, 0.0, e)
+            else:
+                s = s * rescale + tl.sum(e, axis=0)
+                s_rest = s_rest * rescale + tl.sum(tl.where(cols == label, 0.0, e), axis=0)
             m = m_new
+        if LANE_SUMS:
+            s = tl.sum(s, axis=0)
+            s_rest = tl.sum(s_rest, axis=0)
         lse = m + tl.log(s)
         valid = label != ignore_index
         out_of_range = (label < 0) | (label >= n_cols)
@@ -403,11 +417,19 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
     lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
 
 
+# the loss kernel's launch on a GPU: the widest vocabulary block, warps, and ``lce_chunk_kernel``'s LANE_SUMS. A
+# tuning table (benchmarks/profile_linear_cross_entropy.py sweeps it), not a user option: the kernel's results do not
+# depend on it beyond fp32 summation order
+CHUNK_KERNEL_CONFIG = {"BLOCK_V": 8192, "num_warps": 16, "LANE_SUMS": False}
+_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4, "LANE_SUMS": False}
+
+
 def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block_v = min(next_power_of_2(n_cols), 8192 if logits.is_cuda else 1024)
+    cfg = CHUNK_KERNEL_CONFIG if logits.is_cuda else _CPU_CHUNK_KERNEL_CONFIG
+    block_v = min(next_power_of_2(n_cols), cfg["BLOCK_V"])
     lce_chunk_kernel[(n_rows,)](
         logits,
         labels,
@@ -421,7 +443,8 @@ def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad
         HAS_SOFTCAP=bool(ce.softcap),
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        num_warps=16 if logits.is_cuda else 4,
+        LANE_SUMS=cfg["LANE_SUMS"],
+        num_warps=cfg["num_warps"],
     )
 
 

@@ -320,6 +320,22 @@ def test_matches_fp64_autograd(case, dtype, path, gen, monkeypatch):
     assert all(g.dtype == torch.float16 for g in grads if g is not None)
 
 
+@interpreter
+@pytest.mark.parametrize("lane_sums", [False, True])
+def test_loss_kernel_lane_sums_match_fp64(lane_sums, gen, monkeypatch, triton_on_cpu):
+    """Both forms of the loss kernel's first pass (``CHUNK_KERNEL_CONFIG["LANE_SUMS"]``, a GPU tuning choice: sums
+    reduced per block or kept per lane until the end) give fp64's loss and gradients to fp32 precision: several
+    vocabulary blocks with a masked tail, softcap, scaling and ignored rows."""
+    triton_on_cpu(True)
+    monkeypatch.setitem(lce_module._CPU_CHUNK_KERNEL_CONFIG, "LANE_SUMS", lane_sums)
+    for case in ("vocab_three_blocks_sum_softcap", "granite_scale_softcap2_ignore_minus1"):
+        h, w, b, labels, kw, _, _ = case_inputs(case, torch.float32, gen)
+        loss, grads = run_fuser(h, w, b, labels, **kw)
+        ref_loss, ref_grads = fp64_reference(h, w, b, labels, **kw)
+        assert_close("loss", loss, ref_loss, TOL32)
+        check_grads(grads, ref_grads, TOL32, (True, True, True))
+
+
 @pytest.mark.parametrize("confidence", [0.6, 1.0], ids=["loss~1e-6", "loss~1e-9"])
 def test_confident_rows_keep_fp32_precision(confidence, path, gen):
     """Rows whose label takes nearly all the probability (a model that has learned its batch): ``lse − z_label``
