@@ -9,8 +9,8 @@ and into a fresh buffer, and fuser's Triton dweight kernel (``dw_kernel="triton"
 
     python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
     python benchmarks/profile_linear_cross_entropy.py --budgets 250,500,1000   # the whole forward per chunk budget
-    python benchmarks/profile_linear_cross_entropy.py --budgets 1000 --kernels "LANE_SUMS=True;num_warps=8"
-        # the whole forward at one budget with the loss kernel's default and each listed configuration, in place
+    python benchmarks/profile_linear_cross_entropy.py --budgets 1000 --kernels "LANE_SUMS=True;DHIDDEN_SPLITS=2"
+        # the whole forward at one budget: the defaults, then each listed change to the tuning entries
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ def whole_op_profile(tokens, hidden, vocab, out):
 
 def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
     """The chunked forward (all of the op's work: the backward only scales) at each logits budget, and with each of
-    ``kernel_cfgs`` (changes to ``K.CHUNK_KERNEL_CONFIG``; none: the default): rows per chunk, median ms, extra
-    memory, and the profiler's device time per aten op / kernel."""
+    ``kernel_cfgs`` (changes to ``K.CHUNK_KERNEL_CONFIG`` and ``K.DHIDDEN_SPLITS``; none: the defaults): rows per
+    chunk, median ms, extra memory, and the profiler's device time per aten op / kernel."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     w = (0.02 * torch.randn(vocab, hidden, device="cuda", generator=gen)).bfloat16()
@@ -178,8 +178,11 @@ def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
     wanted = K.GradsWanted(True, True, False)
     for budget, changes in [(b, dict(c)) for b in budgets for c in kernel_cfgs]:
         rows = K.chunk_rows(tokens, vocab, 2, budget << 20)
-        saved = dict(K.CHUNK_KERNEL_CONFIG)
+        saved, saved_splits = dict(K.CHUNK_KERNEL_CONFIG), K.DHIDDEN_SPLITS
+        K.DHIDDEN_SPLITS = changes.pop("DHIDDEN_SPLITS", saved_splits)
         K.CHUNK_KERNEL_CONFIG.update(changes)
+        if K.DHIDDEN_SPLITS != saved_splits:
+            changes["DHIDDEN_SPLITS"] = K.DHIDDEN_SPLITS
 
         def run(rows=rows):
             real = K.chunk_rows
@@ -204,10 +207,11 @@ def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
         parts = []
         for e in prof.key_averages():
             dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if e.key in ("aten::mm", "aten::addmm_", "lce_chunk_kernel") and dev > 0:
+            if e.key in ("aten::mm", "aten::bmm", "aten::addmm_", "lce_chunk_kernel") and dev > 0:
                 parts.append(f"{e.key}: {dev / 1e3:.1f}")
         K.CHUNK_KERNEL_CONFIG.clear()
         K.CHUNK_KERNEL_CONFIG.update(saved)
+        K.DHIDDEN_SPLITS = saved_splits
         kernel = " ".join(f"{k}={v}" for k, v in changes.items()) or "default"
         line = (
             f"| {tokens}×{hidden}×{vocab} | {budget} | {kernel} | {rows} | {-(-tokens // rows)} | {t:.2f} | "
@@ -223,8 +227,8 @@ def parse_kernel(text: str) -> tuple[tuple[str, object], ...]:
     pairs = []
     for item in text.split(","):
         key, _, value = item.partition("=")
-        if key not in K.CHUNK_KERNEL_CONFIG:
-            raise SystemExit(f"--kernels: {key!r} is not one of {sorted(K.CHUNK_KERNEL_CONFIG)}")
+        if key not in (*K.CHUNK_KERNEL_CONFIG, "DHIDDEN_SPLITS"):
+            raise SystemExit(f"--kernels: {key!r} is not one of {sorted(K.CHUNK_KERNEL_CONFIG)} or DHIDDEN_SPLITS")
         pairs.append((key, {"True": True, "False": False}.get(value, value)))
         if isinstance(pairs[-1][1], str):
             pairs[-1] = (key, int(value))
@@ -244,7 +248,7 @@ def main() -> None:
         "--kernels",
         default="",
         help="with --budgets: ';'-separated loss-kernel configurations beside the default, each "
-        "'KEY=VALUE,...' of CHUNK_KERNEL_CONFIG (e.g. 'LANE_SUMS=True;LANE_SUMS=True,num_warps=8')",
+        "'KEY=VALUE,...' of CHUNK_KERNEL_CONFIG or DHIDDEN_SPLITS (e.g. 'LANE_SUMS=True;DHIDDEN_SPLITS=2')",
     )
     args = parser.parse_args()
     if args.budgets:

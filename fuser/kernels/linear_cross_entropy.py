@@ -498,6 +498,34 @@ def _accumulate_dweight(
     _accumulate_fp32(dw_acc, g_t, h_c)
 
 
+# dhidden = G @ W as this many batched matmuls over slices of the vocabulary, with fp32 outputs summed once (1: one
+# matmul). A tuning entry, not a user option. Measured per chunk on the H200 (train_step_issue19_jobs_h200_2026-12-02_
+# 1623.md): 2 took 3.35 → 3.03 ms at 2048 × 2304 × 256000 (the output's 144 tiles of 128×256 fill 132 SMs badly),
+# 3.08 → 3.00 at 2048 × 4096 × 128256, and gained under 1 % or lost at 3280 × 4096 × 151936 and 1640 × 2304 × 262208.
+# Left at 1 until the whole op is measured with it (benchmarks/profile_linear_cross_entropy.py --budgets --kernels)
+DHIDDEN_SPLITS = 1
+
+
+def _dhidden(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """out = g @ weight ([rows, V] @ [V, H]); with ``splits`` > 1 (V divisible, weight contiguous) as ``splits``
+    matmuls over slices of V in one batched call with fp32 outputs, summed and rounded once."""
+    rows, vocab = g.shape
+    if splits <= 1 or vocab % splits or not weight.is_contiguous() or g.stride(1) != 1:
+        torch.mm(g, weight, out=out)
+        return
+    g3 = g.view(rows, splits, vocab // splits).transpose(0, 1)  # [splits, rows, V / splits], no copy
+    w3 = weight.view(splits, vocab // splits, weight.shape[1])
+    if g.is_cuda:
+        try:
+            partial = torch.bmm(g3, w3, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without bmm's out_dtype: one matmul
+            torch.mm(g, weight, out=out)
+            return
+    else:
+        partial = torch.bmm(g3.float(), w3.float())
+    out.copy_(partial.sum(0))
+
+
 def _forward_chunked(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -552,7 +580,7 @@ def _forward_chunked(
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=triton_dw)
         if wanted.hidden:
-            torch.mm(logits, weight, out=dh[start:end])
+            _dhidden(logits, weight, dh[start:end], DHIDDEN_SPLITS)
         if side is not None:
             torch.cuda.current_stream(h2.device).wait_stream(side)
         if wanted.bias:

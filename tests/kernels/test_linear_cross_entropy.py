@@ -320,6 +320,44 @@ def test_matches_fp64_autograd(case, dtype, path, gen, monkeypatch):
     assert all(g.dtype == torch.float16 for g in grads if g is not None)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["3d_chunks_mean", "vocab_three_blocks_sum_softcap"])
+def test_dhidden_split_over_the_vocabulary_matches_fp64(case, dtype, splits, path, gen, monkeypatch):
+    """``DHIDDEN_SPLITS`` (a tuning entry): dhidden as batched matmuls over slices of the vocabulary, summed in fp32,
+    gives fp64's gradients as the single matmul does (fp32: to fp32 precision; fp16: within eager fp16's error)."""
+    monkeypatch.setattr(lce_module, "DHIDDEN_SPLITS", splits)
+    batched = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: batched.append(a.shape[0]) or real_bmm(a, b, **kw))
+    h, w, b, labels, kw, n_rows, opt = case_inputs(case, dtype, gen)
+    if "chunk" in opt:
+        small_chunks(monkeypatch, opt["chunk"])
+    loss, grads = run_fuser(h, w, b, labels, **kw)
+    n_chunks = len(split(n_rows, opt.get("chunk", n_rows)))
+    assert batched == [splits] * n_chunks  # every chunk's dhidden went through the split
+    ref_loss, ref_grads = fp64_reference(h, w, b, labels, **kw)
+    if dtype == torch.float32:
+        check_grads(grads, ref_grads, TOL32, (True, True, True))
+        return
+    tol = fp16_tolerance(z_rms(h, w, b, **kw), max(w.shape[1], w.shape[0], n_rows))
+    check_grads(grads, ref_grads, tol, (True, True, True), eager=eager_half(h, w, b, labels, **kw)[1])
+
+
+def test_dhidden_split_falls_back_to_one_matmul(gen):
+    """A vocabulary the splits do not divide, or a weight that is not contiguous: one plain matmul, same values."""
+    g = torch.randn(8, 257, generator=gen)
+    w = torch.randn(257, 16, generator=gen)
+    out, ref = torch.full((8, 16), float("nan")), g @ w
+    lce_module._dhidden(g, w, out, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    wt = torch.randn(16, 256, generator=gen).t()  # [256, 16], not contiguous
+    g2 = torch.randn(8, 256, generator=gen)
+    out2 = torch.full((8, 16), float("nan"))
+    lce_module._dhidden(g2, wt, out2, 2)
+    torch.testing.assert_close(out2, g2 @ wt, rtol=0, atol=0)
+
+
 @interpreter
 @pytest.mark.parametrize("lane_sums", [False, True])
 def test_loss_kernel_lane_sums_match_fp64(lane_sums, gen, monkeypatch, triton_on_cpu):
