@@ -151,10 +151,17 @@ def _reference_backward(grad_out, q, k, v, window: int, scale: float):
     return dq, dk, dv
 
 
-def _out_like(q: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
-    """[B·T, H, D] rows back to [B, H, T, D], as a transposed view of [B, T, H, D] storage (SDPA's flash layout)."""
-    b, h, t, d = q.shape
-    return out_rows.view(b, t, h, d).transpose(1, 2)
+def _from_rows(like: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B·T, H, D] rows back to ``like``'s [B, H, T, D], as a transposed view of [B, T, H, D] storage (SDPA's flash
+    layout, the one the kernels write)."""
+    b, h, t, d = like.shape
+    return rows.view(b, t, h, d).transpose(1, 2)
+
+
+def _empty_like_rows(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as ``like`` in the [B, T, H, D] storage the kernels write."""
+    b, h, t, d = like.shape
+    return like.new_empty(b, t, h, d).transpose(1, 2)
 
 
 @torch.library.custom_op("fuser::window_attention", mutates_args=())
@@ -166,20 +173,19 @@ def window_attention_op(
     b, hq, t, d = query.shape
     if query.device.type == "cpu":
         out, lse = _reference(query, key, value, window, scale)
-        rows = out.to(query.dtype).transpose(1, 2).reshape(b * t, hq, d)
-        return _out_like(query, rows), lse
+        return _empty_like_rows(query).copy_(out), lse
     cu = _cu_seqlens(b, t, query.device)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         _rows(query), _rows(key), _rows(value), cu, cu, t, t, 0.0, True, False,
         scale=scale, window_size_left=window - 1, window_size_right=0,
     )  # fmt: skip
-    return _out_like(query, out), lse
+    return _from_rows(query, out), lse
 
 
 @window_attention_op.register_fake
 def _(query, key, value, window, scale):
     b, hq, t, d = query.shape
-    return query.new_empty(b, t, hq, d).transpose(1, 2), query.new_empty(hq, b * t, dtype=torch.float32)
+    return _empty_like_rows(query), query.new_empty(hq, b * t, dtype=torch.float32)
 
 
 @torch.library.custom_op("fuser::window_attention_backward", mutates_args=())
@@ -195,11 +201,11 @@ def window_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`window_attention_op`, each shaped as its input, in ``[B, T, H, D]`` storage (as the
     kernel writes them)."""
-    b, hq, t, d = query.shape
-    hkv = key.shape[1]
+    b, t = query.shape[0], query.shape[2]
+    inputs = (query, key, value)
     if query.device.type == "cpu":
         grads = _reference_backward(grad_out, query, key, value, window, scale)
-        return tuple(_grads_like(x).copy_(g) for x, g in zip((query, key, value), grads, strict=True))
+        return tuple(_empty_like_rows(x).copy_(g) for x, g in zip(inputs, grads, strict=True))
     cu = _cu_seqlens(b, t, query.device)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)  # dropout 0: not read
     unused = torch.empty(0, device=query.device)
@@ -207,21 +213,12 @@ def window_attention_backward_op(
         _rows(grad_out), _rows(query), _rows(key), _rows(value), _rows(out), lse, cu, cu, t, t, 0.0, True,
         rng_state, unused, scale=scale, window_size_left=window - 1, window_size_right=0,
     )  # fmt: skip
-    return (
-        dq.view(b, t, hq, d).transpose(1, 2),
-        dk.view(b, t, hkv, d).transpose(1, 2),
-        dv.view(b, t, hkv, d).transpose(1, 2),
-    )
-
-
-def _grads_like(x: torch.Tensor) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x.new_empty(b, t, h, d).transpose(1, 2)
+    return tuple(_from_rows(x, g) for x, g in zip(inputs, (dq, dk, dv), strict=True))
 
 
 @window_attention_backward_op.register_fake
 def _(grad_out, query, key, value, out, lse, window, scale):
-    return _grads_like(query), _grads_like(key), _grads_like(value)
+    return _empty_like_rows(query), _empty_like_rows(key), _empty_like_rows(value)
 
 
 def _setup_context(ctx, inputs, output):

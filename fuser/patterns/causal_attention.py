@@ -233,12 +233,12 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         memo[lq] = _causal_verdict(source, lq)
     enable_gqa = bool(b["enable_gqa"])
     window = memo[lq] if isinstance(memo[lq], int) else None
-    if window is not None and not config.causal_attention.sliding_window:
-        raise Decline(f"a causal sliding window of {window} keys (causal_attention.sliding_window is off)")
-    if window is not None and b["dropout_p"] != 0:
-        raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
     if window is not None:
-        _check_window_operands(q, k, v, bool(b["enable_gqa"]), window)
+        if not config.causal_attention.sliding_window:
+            raise Decline(f"a causal sliding window of {window} keys (causal_attention.sliding_window is off)")
+        if b["dropout_p"] != 0:
+            raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
+        _check_window_operands(q, k, v, enable_gqa, window)
     if isinstance(memo[lq], str):
         if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             _check_runtime_variant(found)
