@@ -2,14 +2,14 @@
 and a torch.profiler kernel table of the whole op. A tool for choosing the implementation, not a test.
 
 Per shape (bf16, rows per chunk as ``chunk_rows`` gives): the logits matmul, the Triton loss+gradient kernel
-(launch configurations and loop options swept, ``CE_CONFIGS``), the dhidden matmul (plain, and split over the
+(launch configurations swept, ``CE_CONFIGS``), the dhidden matmul (plain, and split over the
 vocabulary into S batched matmuls with fp32 outputs summed after), the dweight matmul accumulating into bf16 / fp32
 and into a fresh buffer, and fuser's Triton dweight kernel (``dw_kernel="triton"``) at the tile configurations of
 ``DW_CONFIGS``.
 
     python benchmarks/profile_linear_cross_entropy.py [--out FILE] [--only-dweight]
     python benchmarks/profile_linear_cross_entropy.py --budgets 250,500,1000   # the whole forward per chunk budget
-    python benchmarks/profile_linear_cross_entropy.py --budgets 1000 --kernels "LANE_SUMS=True;DHIDDEN_SPLITS=2"
+    python benchmarks/profile_linear_cross_entropy.py --budgets 0 --kernels "BLOCK_V=8192,num_warps=16"
         # the whole forward at one budget: the defaults, then each listed change to the tuning entries
 """
 
@@ -39,12 +39,11 @@ DW_CONFIGS = [
 
 
 # the loss kernel's launch configurations (``K.CHUNK_KERNEL_CONFIG``'s keys), the default first
-_DEFAULT_CE = tuple(K.CHUNK_KERNEL_CONFIG[k] for k in ("BLOCK_V", "num_warps", "LANE_SUMS"))
+_DEFAULT_CE = (K.CHUNK_KERNEL_CONFIG["BLOCK_V"], K.CHUNK_KERNEL_CONFIG["num_warps"])
 CE_CONFIGS = [dict(K.CHUNK_KERNEL_CONFIG)] + [
-    {"BLOCK_V": block_v, "num_warps": warps, "LANE_SUMS": lane}
-    for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
-    for lane in (False, True)
-    if (block_v, warps, lane) != _DEFAULT_CE
+    {"BLOCK_V": block_v, "num_warps": warps}
+    for block_v, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+    if (block_v, warps) != _DEFAULT_CE
 ]
 
 
@@ -168,7 +167,7 @@ def whole_op_profile(tokens, hidden, vocab, out):
 
 def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
     """The chunked forward (all of the op's work: the backward only scales) at each logits budget, and with each of
-    ``kernel_cfgs`` (changes to ``K.CHUNK_KERNEL_CONFIG`` and ``K.DHIDDEN_SPLITS``; none: the defaults): rows per
+    ``kernel_cfgs`` (changes to ``K.CHUNK_KERNEL_CONFIG``; none: the defaults): rows per
     chunk, median ms, extra memory, and the profiler's device time per aten op / kernel."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
@@ -177,12 +176,9 @@ def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
     ce = K.CrossEntropy(-100, "mean", 1.0, 0.0)
     wanted = K.GradsWanted(True, True, False)
     for budget, changes in [(b, dict(c)) for b in budgets for c in kernel_cfgs]:
-        rows = K.chunk_rows(tokens, vocab, 2, budget << 20)
-        saved, saved_splits = dict(K.CHUNK_KERNEL_CONFIG), K.DHIDDEN_SPLITS
-        K.DHIDDEN_SPLITS = changes.pop("DHIDDEN_SPLITS", saved_splits)
+        rows = K.chunk_rows(tokens, vocab, 2, (budget << 20) if budget else None)  # 0: the op's own budget
+        saved = dict(K.CHUNK_KERNEL_CONFIG)
         K.CHUNK_KERNEL_CONFIG.update(changes)
-        if K.DHIDDEN_SPLITS != saved_splits:
-            changes["DHIDDEN_SPLITS"] = K.DHIDDEN_SPLITS
 
         def run(rows=rows):
             real = K.chunk_rows
@@ -211,7 +207,6 @@ def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
                 parts.append(f"{e.key}: {dev / 1e3:.1f}")
         K.CHUNK_KERNEL_CONFIG.clear()
         K.CHUNK_KERNEL_CONFIG.update(saved)
-        K.DHIDDEN_SPLITS = saved_splits
         kernel = " ".join(f"{k}={v}" for k, v in changes.items()) or "default"
         line = (
             f"| {tokens}×{hidden}×{vocab} | {budget} | {kernel} | {rows} | {-(-tokens // rows)} | {t:.2f} | "
@@ -222,16 +217,14 @@ def chunked_variants(tokens, hidden, vocab, budgets, out, kernel_cfgs=((),)):
         torch.cuda.empty_cache()
 
 
-def parse_kernel(text: str) -> tuple[tuple[str, object], ...]:
-    """'LANE_SUMS=True,num_warps=8' → (("LANE_SUMS", True), ("num_warps", 8)); keys of ``K.CHUNK_KERNEL_CONFIG``."""
+def parse_kernel(text: str) -> tuple[tuple[str, int], ...]:
+    """'BLOCK_V=8192,num_warps=16' → (("BLOCK_V", 8192), ("num_warps", 16)); keys of ``K.CHUNK_KERNEL_CONFIG``."""
     pairs = []
     for item in text.split(","):
         key, _, value = item.partition("=")
-        if key not in (*K.CHUNK_KERNEL_CONFIG, "DHIDDEN_SPLITS"):
-            raise SystemExit(f"--kernels: {key!r} is not one of {sorted(K.CHUNK_KERNEL_CONFIG)} or DHIDDEN_SPLITS")
-        pairs.append((key, {"True": True, "False": False}.get(value, value)))
-        if isinstance(pairs[-1][1], str):
-            pairs[-1] = (key, int(value))
+        if key not in K.CHUNK_KERNEL_CONFIG or not value.isdigit():
+            raise SystemExit(f"--kernels: {item!r} is not KEY=INTEGER with KEY one of {sorted(K.CHUNK_KERNEL_CONFIG)}")
+        pairs.append((key, int(value)))
     return tuple(pairs)
 
 
@@ -242,13 +235,13 @@ def main() -> None:
     parser.add_argument(
         "--budgets",
         default="",
-        help="MiB, comma-separated: only the chunked forward at each budget",
+        help="MiB, comma-separated (0: the op's default): only the chunked forward at each budget",
     )
     parser.add_argument(
         "--kernels",
         default="",
         help="with --budgets: ';'-separated loss-kernel configurations beside the default, each "
-        "'KEY=VALUE,...' of CHUNK_KERNEL_CONFIG or DHIDDEN_SPLITS (e.g. 'LANE_SUMS=True;DHIDDEN_SPLITS=2')",
+        "'KEY=VALUE,...' of CHUNK_KERNEL_CONFIG (e.g. 'BLOCK_V=8192,num_warps=16;BLOCK_V=2048,num_warps=4')",
     )
     args = parser.parse_args()
     if args.budgets:

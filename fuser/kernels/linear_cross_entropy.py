@@ -269,22 +269,15 @@ if HAS_TRITON:
         HAS_SOFTCAP: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        LANE_SUMS: tl.constexpr,
     ):
-        # LANE_SUMS: pass 1 keeps its two sums per lane and reduces them once after the loop (one block reduction per
-        # block, the max, instead of three)
         row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)
         # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
         # (s_rest: the same sum without the label's column)
         m = tl.full((), -float("inf"), tl.float32)
-        if LANE_SUMS:
-            s = tl.zeros((BLOCK_V,), tl.float32)
-            s_rest = tl.zeros((BLOCK_V,), tl.float32)
-        else:
-            s = tl.zeros((), tl.float32)
-            s_rest = tl.zeros((), tl.float32)
+        s = tl.zeros((), tl.float32)
+        s_rest = tl.zeros((), tl.float32)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
@@ -294,16 +287,9 @@ if HAS_TRITON:
             m_new = tl.maximum(m, tl.max(z, axis=0))
             e = tl.exp(z - m_new)
             rescale = tl.exp(m - m_new)
-            if LANE_SUMS:
-                s = s * rescale + e
-                s_rest = s_rest * rescale + tl.where(cols == label, 0.0, e)
-            else:
-                s = s * rescale + tl.sum(e, axis=0)
-                s_rest = s_rest * rescale + tl.sum(tl.where(cols == label, 0.0, e), axis=0)
+            s = s * rescale + tl.sum(e, axis=0)
+            s_rest = s_rest * rescale + tl.sum(tl.where(cols == label, 0.0, e), axis=0)
             m = m_new
-        if LANE_SUMS:
-            s = tl.sum(s, axis=0)
-            s_rest = tl.sum(s_rest, axis=0)
         lse = m + tl.log(s)
         valid = label != ignore_index
         out_of_range = (label < 0) | (label >= n_cols)
@@ -417,11 +403,14 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
     lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
 
 
-# the loss kernel's launch on a GPU: the widest vocabulary block, warps, and ``lce_chunk_kernel``'s LANE_SUMS. A
-# tuning table (benchmarks/profile_linear_cross_entropy.py sweeps it), not a user option: the kernel's results do not
-# depend on it beyond fp32 summation order
-CHUNK_KERNEL_CONFIG = {"BLOCK_V": 8192, "num_warps": 16, "LANE_SUMS": False}
-_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4, "LANE_SUMS": False}
+# the loss kernel's launch on a GPU: the widest vocabulary block and the warps. A tuning table
+# (benchmarks/profile_linear_cross_entropy.py sweeps it), not a user option: the kernel's results do not depend on it
+# beyond fp32 summation order. Measured alone on the H200 (profile_linear_cross_entropy_h200_2026-12-02_1923.md), ms
+# per chunk at 2048 × 256000 / 2048 × 128256 / 3280 × 151936 rows × vocabulary: 4096 × 8 warps 0.91 / 0.47 / 0.86,
+# 8192 × 16 (before) 1.08 / 0.60 / 1.14, every other block × warps tried 1.01 or more / 0.51 / 0.95. A lane-sum form
+# of the first pass and a dhidden split over the vocabulary were also timed in the op and dropped (same file)
+CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8}
+_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4}
 
 
 def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
@@ -443,7 +432,6 @@ def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad
         HAS_SOFTCAP=bool(ce.softcap),
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        LANE_SUMS=cfg["LANE_SUMS"],
         num_warps=cfg["num_warps"],
     )
 
@@ -496,34 +484,6 @@ def _accumulate_dweight(
     if first:
         dw_acc.zero_()
     _accumulate_fp32(dw_acc, g_t, h_c)
-
-
-# dhidden = G @ W as this many batched matmuls over slices of the vocabulary, with fp32 outputs summed once (1: one
-# matmul). A tuning entry, not a user option. Measured per chunk on the H200 (train_step_issue19_jobs_h200_2026-12-02_
-# 1623.md): 2 took 3.35 → 3.03 ms at 2048 × 2304 × 256000 (the output's 144 tiles of 128×256 fill 132 SMs badly),
-# 3.08 → 3.00 at 2048 × 4096 × 128256, and gained under 1 % or lost at 3280 × 4096 × 151936 and 1640 × 2304 × 262208.
-# Left at 1 until the whole op is measured with it (benchmarks/profile_linear_cross_entropy.py --budgets --kernels)
-DHIDDEN_SPLITS = 1
-
-
-def _dhidden(g: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int) -> None:
-    """out = g @ weight ([rows, V] @ [V, H]); with ``splits`` > 1 (V divisible, weight contiguous) as ``splits``
-    matmuls over slices of V in one batched call with fp32 outputs, summed and rounded once."""
-    rows, vocab = g.shape
-    if splits <= 1 or vocab % splits or not weight.is_contiguous() or g.stride(1) != 1:
-        torch.mm(g, weight, out=out)
-        return
-    g3 = g.view(rows, splits, vocab // splits).transpose(0, 1)  # [splits, rows, V / splits], no copy
-    w3 = weight.view(splits, vocab // splits, weight.shape[1])
-    if g.is_cuda:
-        try:
-            partial = torch.bmm(g3, w3, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without bmm's out_dtype: one matmul
-            torch.mm(g, weight, out=out)
-            return
-    else:
-        partial = torch.bmm(g3.float(), w3.float())
-    out.copy_(partial.sum(0))
 
 
 def _forward_chunked(
@@ -580,7 +540,7 @@ def _forward_chunked(
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 _accumulate_dweight(dw_acc, logits.t(), h_c, first=start == 0, triton_kernel=triton_dw)
         if wanted.hidden:
-            _dhidden(logits, weight, dh[start:end], DHIDDEN_SPLITS)
+            torch.mm(logits, weight, out=dh[start:end])
         if side is not None:
             torch.cuda.current_stream(h2.device).wait_stream(side)
         if wanted.bias:

@@ -320,60 +320,6 @@ def test_matches_fp64_autograd(case, dtype, path, gen, monkeypatch):
     assert all(g.dtype == torch.float16 for g in grads if g is not None)
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", ["3d_chunks_mean", "vocab_three_blocks_sum_softcap"])
-def test_dhidden_split_over_the_vocabulary_matches_fp64(case, dtype, splits, path, gen, monkeypatch):
-    """``DHIDDEN_SPLITS`` (a tuning entry): dhidden as batched matmuls over slices of the vocabulary, summed in fp32,
-    gives fp64's gradients as the single matmul does (fp32: to fp32 precision; fp16: within eager fp16's error)."""
-    monkeypatch.setattr(lce_module, "DHIDDEN_SPLITS", splits)
-    batched = []
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: batched.append(a.shape[0]) or real_bmm(a, b, **kw))
-    h, w, b, labels, kw, n_rows, opt = case_inputs(case, dtype, gen)
-    if "chunk" in opt:
-        small_chunks(monkeypatch, opt["chunk"])
-    loss, grads = run_fuser(h, w, b, labels, **kw)
-    n_chunks = len(split(n_rows, opt.get("chunk", n_rows)))
-    assert batched == [splits] * n_chunks  # every chunk's dhidden went through the split
-    ref_loss, ref_grads = fp64_reference(h, w, b, labels, **kw)
-    if dtype == torch.float32:
-        check_grads(grads, ref_grads, TOL32, (True, True, True))
-        return
-    tol = fp16_tolerance(z_rms(h, w, b, **kw), max(w.shape[1], w.shape[0], n_rows))
-    check_grads(grads, ref_grads, tol, (True, True, True), eager=eager_half(h, w, b, labels, **kw)[1])
-
-
-def test_dhidden_split_falls_back_to_one_matmul(gen):
-    """A vocabulary the splits do not divide, or a weight that is not contiguous: one plain matmul, same values."""
-    g = torch.randn(8, 257, generator=gen)
-    w = torch.randn(257, 16, generator=gen)
-    out, ref = torch.full((8, 16), float("nan")), g @ w
-    lce_module._dhidden(g, w, out, 2)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    wt = torch.randn(16, 256, generator=gen).t()  # [256, 16], not contiguous
-    g2 = torch.randn(8, 256, generator=gen)
-    out2 = torch.full((8, 16), float("nan"))
-    lce_module._dhidden(g2, wt, out2, 2)
-    torch.testing.assert_close(out2, g2 @ wt, rtol=0, atol=0)
-
-
-@interpreter
-@pytest.mark.parametrize("lane_sums", [False, True])
-def test_loss_kernel_lane_sums_match_fp64(lane_sums, gen, monkeypatch, triton_on_cpu):
-    """Both forms of the loss kernel's first pass (``CHUNK_KERNEL_CONFIG["LANE_SUMS"]``, a GPU tuning choice: sums
-    reduced per block or kept per lane until the end) give fp64's loss and gradients to fp32 precision: several
-    vocabulary blocks with a masked tail, softcap, scaling and ignored rows."""
-    triton_on_cpu(True)
-    monkeypatch.setitem(lce_module._CPU_CHUNK_KERNEL_CONFIG, "LANE_SUMS", lane_sums)
-    for case in ("vocab_three_blocks_sum_softcap", "granite_scale_softcap2_ignore_minus1"):
-        h, w, b, labels, kw, _, _ = case_inputs(case, torch.float32, gen)
-        loss, grads = run_fuser(h, w, b, labels, **kw)
-        ref_loss, ref_grads = fp64_reference(h, w, b, labels, **kw)
-        assert_close("loss", loss, ref_loss, TOL32)
-        check_grads(grads, ref_grads, TOL32, (True, True, True))
-
-
 @pytest.mark.parametrize("confidence", [0.6, 1.0], ids=["loss~1e-6", "loss~1e-9"])
 def test_confident_rows_keep_fp32_precision(confidence, path, gen):
     """Rows whose label takes nearly all the probability (a model that has learned its batch): ``lse − z_label``
@@ -976,32 +922,3 @@ def test_gpu_triton_dweight_kernel(shape, dtype, gen, no_tf32, monkeypatch):
     diff = rel_err(dw, dw_ref)
     print(f"\n{shape} {dtype}: Triton dW {err:.2e} vs fp32; {diff:.2e} from cuBLAS's ({diff / u:.2f} u)")
     assert diff <= 2 * u, f"Triton dW is {diff / u:.2f} u from cuBLAS's"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{"LANE_SUMS": True}, {"DHIDDEN_SPLITS": 2}], ids=["lane_sums", "dhidden_split2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", list(GPU_SHAPES.values()), ids=list(GPU_SHAPES))
-def test_gpu_tuning_entries_are_as_accurate_as_the_defaults(shape, dtype, tuning, gen, no_tf32, monkeypatch):
-    """The lm_head+CE tuning entries left off by default (the loss kernel's per-lane sums, dhidden split over the
-    vocabulary): at real shapes, loss, dhidden and dweight as close to the fp32 reference as the defaults' (within
-    1 %: both round the same values to the same dtype; only fp32 summation orders differ), and the changed path ran."""
-    h, w, labels = gpu_inputs(shape, dtype, gen)
-    kw = {"softcap": 30.0, "reduction": "sum" if dtype == torch.float16 else "mean"}
-    ref_loss, ref_grads = run_model(h, w, None, labels, torch.float32, torch.float32, (True, True, False), **kw)
-    base_loss, base_grads = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
-    batched = []
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b, **k: batched.append(a.shape[0]) or real_bmm(a, b, **k))
-    for key, value in tuning.items():
-        if key == "DHIDDEN_SPLITS":
-            monkeypatch.setattr(lce_module, key, value)
-        else:
-            monkeypatch.setitem(lce_module.CHUNK_KERNEL_CONFIG, key, value)
-    loss, grads = run_gpu_fuser(h, w, labels, monkeypatch, **kw)
-    assert bool(batched) == ("DHIDDEN_SPLITS" in tuning)
-    for name, got, base, ref in (("loss", loss, base_loss, ref_loss), ("hidden.grad", grads[0], base_grads[0],
-                                 ref_grads[0]), ("weight.grad", grads[1], base_grads[1], ref_grads[1])):  # fmt: skip
-        err, base_err = rel_err(got, ref), rel_err(base, ref)
-        print(f"\n{shape} {dtype} {tuning} {name}: {err:.4e} (default {base_err:.4e})")
-        assert err <= 1.01 * base_err + 1e-7, f"{name}: {err:.4e} with {tuning} vs {base_err:.4e} by default"
