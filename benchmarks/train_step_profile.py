@@ -153,8 +153,11 @@ def idle_gaps(trace: dict, n_steps: int) -> str:
     return head + markdown_table(columns, rows, label_columns=1)
 
 
+TOP_KERNELS = 40  # rows of the kernel table
+
+
 def family_table(times: dict[str, list[float]], n_steps: int, wall_ms: float | None) -> tuple[str, str]:
-    """Markdown: ms per step and share of kernel time by family; and the top-15 kernels."""
+    """Markdown: ms per step and share of kernel time by family; and the top-``TOP_KERNELS`` kernels."""
     fuser_kernels = fuser_kernel_names()
     total_us = sum(t for t, _ in times.values()) or 1.0
     by_family = collections.Counter()
@@ -171,7 +174,7 @@ def family_table(times: dict[str, list[float]], n_steps: int, wall_ms: float | N
         label = f"median timed step, unprofiled (idle GPU / host overhead: {idle:.2f} ms)"
         rows.append([label, f"{wall_ms:.2f}", ""])
     families = markdown_table(["op family", "ms / step", "% of kernel time"], rows, label_columns=1)
-    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     top_rows = [
         [
             "`" + name.replace("|", "\\|")[:110] + "`",
@@ -225,7 +228,7 @@ def profile_steps(result, args, batches, train_step, sync, device: torch.device)
     text = (
         f"{header}\n{what} over {len(batches)} steps after {args.warmup} warm-up and {args.steps} timed steps; "
         f"per step, batch {result['batch']}×{result['seq']}.\n\n"
-        f"{families}\n\nTop 15 kernels:\n\n{top}\n{gaps}"
+        f"{families}\n\nTop {TOP_KERNELS} kernels:\n\n{top}\n{gaps}"
     )
     path = out_dir / f"{stem}.md"
     path.write_text(text)
