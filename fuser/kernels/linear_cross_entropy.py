@@ -405,7 +405,7 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
 
 # the loss kernel's launch on a GPU: the widest vocabulary block and the warps. A tuning table
 # (benchmarks/profile_linear_cross_entropy.py sweeps it), not a user option: the kernel's results do not depend on it
-# beyond fp32 summation order. Measured alone on the H200 (profile_linear_cross_entropy_h200_2026-12-02_1923.md), ms
+# beyond fp32 summation order. Measured alone on the H200 (profile_linear_cross_entropy_h200_2026-12-02_1921.md), ms
 # per chunk at 2048 × 256000 / 2048 × 128256 / 3280 × 151936 rows × vocabulary: 4096 × 8 warps 0.91 / 0.47 / 0.86,
 # 8192 × 16 (before) 1.08 / 0.60 / 1.14, every other block × warps tried 1.01 or more / 0.51 / 0.95. A lane-sum form
 # of the first pass and a dhidden split over the vocabulary were also timed in the op and dropped (same file)
