@@ -14,6 +14,14 @@ from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.patterns import PATTERNS
 from fuser.tracing import tracing_context
 
+# what a report with no captured graph says: the two ways a model ends up running with nothing compiled
+NO_GRAPH_HINT = (
+    "no graph was captured: the model has not run through fuser yet (its first call compiles), or Dynamo ran its "
+    "forward without compiling it. Dynamo logs why; one cause is 'hit config.recompile_limit' after one process "
+    "compiled many model classes through the same transformers forward wrapper: torch._dynamo.reset() between "
+    "models, or a higher torch._dynamo.config.recompile_limit, avoids it"
+)
+
 
 @dataclass(frozen=True)
 class GraphBreak:
@@ -84,6 +92,8 @@ class Report:
             lines.append(f"{m.pattern:<{names}} {m.variant:<12} {m.module:<{width}}  {m.where}")
         if not self.matches:
             lines.append("(nothing matched)")
+        if not self.graphs:
+            lines.append(NO_GRAPH_HINT)
         lines.append("counts: " + (", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"))
         if self.runs and self.executed != self.counts:
             ran = ", ".join(f"{k}={v}" for k, v in sorted(self.executed.items()))
