@@ -63,8 +63,9 @@ class FuserConfig:
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
                            group_shared_inputs=True)``; ``triton`` also switches lora_sum's kernels, which are the
                            same.
-    lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True)``: a LoRA sum stored rounded adds its term
-                           to the base linear's unrounded fp32 output.
+    lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
+                           rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
+                           gate/up sums are formed in row slices (off until measured on a GPU).
     rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
                            adapters are taken too.
 

@@ -211,7 +211,8 @@ def test_backward_in_place_by_name(in_place, gen):
     counts: dict[str, int] = {}
     fuser.dynamo_backend._post_grad_pass(backend.config, counts)(gm.graph)
     gm.recompile()
-    assert counts == ({"gated_dx_accumulated": 0, "gated_backward_in_place": 1} if in_place else {})
+    gated = {k: v for k, v in counts.items() if k in ("gated_dx_accumulated", "gated_backward_in_place")}
+    assert gated == ({"gated_dx_accumulated": 0, "gated_backward_in_place": 1} if in_place else {})
     assert len(calls([gm], OPS.gated_activation_backward_.default)) == int(in_place)
     for got, want in zip(gm(*args), backward_of_a_checkpointed_layer(*args), strict=True):
         assert torch.equal(got, want)
@@ -299,6 +300,34 @@ def test_lora_sum_fp32_base_by_name(fp32_base, gen, rewritten):
     assert len(rounded) == int(fp32_base) and all(n.args[5] == torch.float16 for n in rounded)
 
 
+def gated_of_wide_sums(gb, ga, gw, ub, ua, uw):  # the three calls lora_sum's post-grad pass takes in
+    g, g_wide = OPS.lora_sum_wide(gb, ga, gw, 0.5)
+    u, u_wide = OPS.lora_sum_wide(ub, ua, uw, 2.0)
+    product = OPS.gated_activation(g, u, None, None, 1.0, 1.0, "silu", gate_wide=g_wide, up_wide=u_wide)[0]
+    return product, g, u
+
+
+@pytest.mark.parametrize("in_slices", [False, True])
+def test_lora_sum_gated_in_slices_by_name(in_slices, gen):
+    """The post-grad pass of the backend ``options=`` names, on a graph as Inductor hands it over: with
+    ``gated_in_slices`` one ``gated_activation_of_lora_sums`` in place of the three calls, the same results."""
+    backend = compile_by_name(lora_mlp, {"lora_sum": {"gated_in_slices": in_slices}}, *lora_inputs(gen))
+    args = [t for _ in range(2) for t in (torch.randn(6, 24, generator=gen).half(), torch.randn(6, 4, generator=gen),
+                                          torch.randn(24, 4, generator=gen))]  # fmt: skip
+    gm = make_fx(gated_of_wide_sums, tracing_mode="fake")(*args)
+    counts: dict[str, int] = {}
+    fuser.dynamo_backend._post_grad_pass(backend.config, counts)(gm.graph)
+    gm.recompile()
+    assert counts.get("gated_sums_in_slices") == (1 if in_slices else None)
+    # the calls' targets may be the direct overloads by now: count by op
+    ops = [str(n.target).split(".")[1] for n in gm.graph.nodes if str(n.target).startswith("fuser.")]
+    assert sorted(ops) == (
+        ["gated_activation_of_lora_sums"] if in_slices else ["gated_activation", *["lora_sum_wide"] * 2]
+    )
+    for got, want in zip(gm(*args), gated_of_wide_sums(*args), strict=True):
+        assert torch.equal(got, want)
+
+
 # --- the surface itself ---------------------------------------------------------------------------------------
 
 
@@ -309,7 +338,7 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     assert config.causal_attention == CausalAttentionConfig(gqa_fold=True, runtime_check=False)
     assert config.gated_mlp == GatedMLPConfig(recompute_for_down_weight=True, backward_in_place=True)
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
-    assert config.lora_sum == LoraSumConfig(fp32_base=True)
+    assert config.lora_sum == LoraSumConfig(fp32_base=True, gated_in_slices=False)
     assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)
     for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
                     config.lora_sum, config.rms_norm_linear):  # fmt: skip

@@ -119,6 +119,18 @@ class PostGradPass:
     enabled: Callable[[FuserConfig], bool] = _always
 
 
+def call_args(node: torch.fx.Node) -> dict[str, Any]:
+    """An op call's arguments by its schema's names, defaults filled in: how post-grad passes read a call whether
+    its arguments came positional or by keyword."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        else:
+            bound[arg.name] = node.kwargs.get(arg.name, arg.default_value)
+    return bound
+
+
 @dataclass
 class Pattern:
     """A block that fuser recognises.

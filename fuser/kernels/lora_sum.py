@@ -277,3 +277,80 @@ def _backward_linear_wide(ctx, g):
 
 
 linear_wide_op.register_autograd(_backward_linear_wide, setup_context=_setup_context_linear_wide)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gated activation of two wide sums, in row slices: never differentiated, put in place by a post-grad pass
+# ---------------------------------------------------------------------------------------------------------
+
+# the most bytes each fp32 sum of ``fuser::gated_activation_of_lora_sums`` takes at once: 256 MiB, so a 4×2048-token
+# batch at Llama-3-8B's width (470 MB per sum) runs in 2 slices and 1×32768 tokens in 8, where the whole sums took
+# 1.75 GiB each (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md)
+WIDE_SLICE_BYTES = 256 << 20
+
+
+def _wide_sum_into(base, a, weight, scale, allow_triton, out, wide) -> None:
+    """``fuser::lora_sum_wide(base, a, weight, scale, allow_triton)`` on ``[rows, n]`` views, written into ``out``
+    (base's dtype) and ``wide`` (fp32): the same kernel or the same reference ops."""
+    if triton_path(base, a, weight, allow_triton=allow_triton):
+        U._dx_triton(a, weight.t(), base.dtype, base.contiguous(), scale, False, out=out, wide_out=wide)
+        return
+    wide.copy_(_graph_sum(base, a, weight, scale, False, torch.float32))
+    out.copy_(wide)
+
+
+@torch.library.custom_op("fuser::gated_activation_of_lora_sums", mutates_args=())
+def gated_activation_of_lora_sums_op(
+    gate_base: torch.Tensor,
+    gate_a: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_scale: float,
+    gate_allow_triton: bool,
+    up_base: torch.Tensor,
+    up_a: torch.Tensor,
+    up_weight: torch.Tensor,
+    up_scale: float,
+    up_allow_triton: bool,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate_sum, up_sum)``: what ``fuser::lora_sum_wide`` of gate's and of up's terms, then
+    ``fuser::gated_activation(gate_sum, up_sum, ..., gate_wide=, up_wide=)[0]`` compute, with the same kernels,
+    over slices of at most ``WIDE_SLICE_BYTES`` rows of each fp32 sum: two such slices live at a time instead of two
+    whole ``[tokens, intermediate]`` fp32 sums. Each element is computed as by the three calls (the kernels are
+    elementwise across rows), so the results are theirs bit for bit.
+
+    Never called by autograd: the post-grad pass ``gated_sums_in_slices`` (:mod:`fuser.patterns.lora_sum`) puts it
+    in place of those three calls in compiled forward graphs and in the recomputation of checkpointed layers."""
+    from fuser.kernels.gated_activation import gated_activation_forward
+
+    _check(gate_base, gate_a, gate_weight)
+    _check(up_base, up_a, up_weight)
+    if gate_base.shape != up_base.shape or gate_base.dtype != up_base.dtype:
+        raise ValueError(
+            f"fuser: gated_activation_of_lora_sums expects gate and up bases of one shape and dtype, got "
+            f"{gate_base.dtype} {tuple(gate_base.shape)} and {up_base.dtype} {tuple(up_base.shape)}"
+        )
+    out, gate_sum, up_sum = (
+        U._alloc(*gate_base.shape, dtype=gate_base.dtype, device=gate_base.device) for _ in range(3)
+    )
+    bases, adapters = (as_rows(gate_base), as_rows(up_base)), (as_rows(gate_a), as_rows(up_a))
+    sums, out2 = (gate_sum.view(bases[0].shape), up_sum.view(bases[1].shape)), out.view(bases[0].shape)
+    n_rows, n_cols = bases[0].shape
+    step = max(1, WIDE_SLICE_BYTES // max(1, 4 * n_cols))
+    wide = U._alloc(2, min(step, n_rows), n_cols, dtype=torch.float32, device=gate_base.device)
+    terms = ((gate_weight, gate_scale, gate_allow_triton), (up_weight, up_scale, up_allow_triton))
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        for i, (weight, scale, allow) in enumerate(terms):
+            rows = slice(start, end)
+            _wide_sum_into(
+                bases[i][rows], adapters[i][rows], weight, scale, allow, sums[i][rows], wide[i, : end - start]
+            )
+        gated_activation_forward(wide[0, : end - start], wide[1, : end - start], activation, out=out2[start:end])
+    return out, gate_sum, up_sum
+
+
+@gated_activation_of_lora_sums_op.register_fake
+def _(gate_base, gate_a, gate_weight, gate_scale, gate_allow_triton, up_base, up_a, up_weight, up_scale,
+      up_allow_triton, activation):  # fmt: skip
+    return tuple(gate_base.new_empty(gate_base.shape) for _ in range(3))

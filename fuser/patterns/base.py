@@ -13,6 +13,7 @@ from fuser.engine.protocol import (
     PostGradPass,
     Replacement,
     Variant,
+    call_args,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "PostGradPass",
     "Replacement",
     "Variant",
+    "call_args",
 ]

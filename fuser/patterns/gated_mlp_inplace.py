@@ -43,7 +43,7 @@ import torch
 import torch.fx
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers the fuser:: gated ops)
-from fuser.patterns.base import PostGradPass
+from fuser.patterns.base import PostGradPass, call_args
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -63,20 +63,6 @@ def _storage(node: Any) -> int | None:
     if not isinstance(val, torch.Tensor) or not torch._C._has_storage(val):
         return None
     return val.untyped_storage()._cdata
-
-
-def _bound_args(node: torch.fx.Node) -> dict[str, Any]:
-    """The call's arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    bound = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value
-    return bound
 
 
 def _calls(graph: torch.fx.Graph, target: Any) -> list[torch.fx.Node]:
@@ -148,7 +134,7 @@ def _plan(graph: torch.fx.Graph, op: Any, judge: Callable[..., tuple[Any, str | 
     order, by_storage = _storages(graph)
     plan = []
     for node in candidates:
-        entry, reason = judge(node, _bound_args(node), order, by_storage)
+        entry, reason = judge(node, call_args(node), order, by_storage)
         if reason is not None:
             log.debug("fuser: %s stays out of place: %s", node.name, reason)
         else:

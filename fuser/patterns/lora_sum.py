@@ -11,6 +11,7 @@ Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/L
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,10 +27,12 @@ from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
-from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, PostGradPass, Replacement, Variant, call_args
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
+
+log = logging.getLogger("fuser")
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,20 @@ class LoraSumConfig:
                 bf16 base is on the bf16 grid, so the second rounding returns it), as eager and Inductor do: at
                 LoRA learning rates most of v_proj's update (issue 16). Default ``True``; costs one fp32
                 ``[tokens, out]`` write and read per such sum.
+    gated_in_slices:
+                the fp32 gate and up sums a gated activation computes its product from (kept unrounded for
+                issue 16) are formed and consumed in row slices of at most 256 MiB each
+                (``fuser::gated_activation_of_lora_sums``, put in place by a post-grad pass, forward and
+                checkpointed recompute alike) instead of as two whole ``[tokens, intermediate]`` fp32 tensors:
+                3.5 GiB live at once on Llama-3-8B at 32,768 tokens under gradient checkpointing, which took its
+                peak from 28.8 to 31.5 GiB (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md). The same
+                kernels compute the same values, bit for bit (checked on CPU, reference and Triton-interpreter
+                paths). Default ``False`` until it is measured on a GPU: its speed (two slices at 4×2048 tokens,
+                eight at 32,768) and the peak it leaves.
     """
 
     fp32_base: bool = True
+    gated_in_slices: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "lora_sum")
@@ -405,4 +419,106 @@ def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -
     return n
 
 
-LORA_SUM = Pattern("lora_sum", VARIANTS, check_lora_sum, runs_first=True, after_apply=refine_lora_sums)
+# ---------------------------------------------------------------------------------------------------------
+# Post-grad: the gated activation of two wide sums, in row slices
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _contiguous_val(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _wide_pair(narrow: object, wide: object) -> torch.fx.Node | None:
+    """The ``fuser::lora_sum_wide`` call whose results are ``narrow`` (its [0]) and ``wide`` (its [1]), with
+    ``wide`` read by one node and each of the call's users one of its two results; None otherwise."""
+    if not (isinstance(narrow, torch.fx.Node) and isinstance(wide, torch.fx.Node)):
+        return None
+    if narrow.target is not operator.getitem or wide.target is not operator.getitem:
+        return None
+    pair = wide.args[0]
+    if narrow.args != (pair, 0) or wide.args != (pair, 1) or len(wide.users) != 1:
+        return None
+    if not isinstance(pair, torch.fx.Node) or pair.target is not torch.ops.fuser.lora_sum_wide.default:
+        return None
+    if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in pair.users):
+        return None
+    return pair if _contiguous_val(narrow) else None
+
+
+def plan_gated_sums(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
+    """``(gated, gate_pair, up_pair)`` for each ``fuser::gated_activation`` whose gate and up are both rounded
+    ``fuser::lora_sum_wide`` results, computed from their fp32 results, whose product is its only result read
+    (contiguous), and whose rounded sums are read only after the later of the two sums; reads the graph only."""
+    import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
+
+    gated_op = torch.ops.fuser.gated_activation.default
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    plan = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not gated_op:
+            continue
+        args = call_args(node)
+        if args["gate_lora"] is not None or args["up_lora"] is not None:
+            continue
+        pairs = [_wide_pair(args["gate"], args["gate_wide"]), _wide_pair(args["up"], args["up_wide"])]
+        if None in pairs or pairs[0] is pairs[1]:
+            continue
+        read = [u for u in node.users if u.target is not operator.getitem or u.args[1] != 0 or not _contiguous_val(u)]
+        if any(u.target is not operator.getitem or u.args[1] == 0 or u.users for u in read):
+            continue  # another result read (a dead getitem of one is left for the erasure)
+        later = max(order[pairs[0]], order[pairs[1]])
+        rounded = [u for pair in pairs for u in pair.users if u.args[1] == 0]
+        if any(order[user] <= later for r in rounded for user in r.users):
+            continue
+        plan.append((node, pairs[0], pairs[1]))
+    return plan
+
+
+def apply_gated_sums(graph: torch.fx.Graph, plan: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]) -> int:
+    """Put one ``fuser::gated_activation_of_lora_sums`` in place of each planned pair of wide sums and their gated
+    activation, right after the later sum; returns how many."""
+    fused_op = torch.ops.fuser.gated_activation_of_lora_sums.default
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node, gate_pair, up_pair in plan:
+        g, u = call_args(gate_pair), call_args(up_pair)
+        terms = [t[k] for t in (g, u) for k in ("base", "a", "weight", "scale", "allow_triton")]
+        product = next((r for r in node.users if r.args[1] == 0), None)
+        rounded = [next((r for r in pair.users if r.args[1] == 0), None) for pair in (gate_pair, up_pair)]
+        vals = [x.meta["val"] if x is not None else None for x in (product, *rounded)]
+        with graph.inserting_after(max(gate_pair, up_pair, key=order.get)):
+            fused = graph.call_function(fused_op, (*terms, call_args(node)["activation"]))
+        results = []
+        with graph.inserting_after(fused):
+            for i in (2, 1, 0):
+                results.insert(0, graph.call_function(operator.getitem, (fused, i)))
+        copy_source_meta(node, fused, *results)
+        fused.meta["val"] = tuple(
+            v if v is not None else pair.meta["val"][0]
+            for v, pair in zip(vals, (gate_pair, gate_pair, up_pair), strict=True)
+        )
+        for result, val in zip(results, fused.meta["val"], strict=True):
+            result.meta["val"] = val
+        for old, new in zip((product, *rounded), results, strict=True):
+            if old is not None:
+                old.replace_all_uses_with(new)
+        for old in (*node.users, node, *gate_pair.users, gate_pair, *up_pair.users, up_pair):
+            if not old.users:
+                graph.erase_node(old)
+    if plan:
+        log.info("fuser: %d gated activation(s) of wide LoRA sums computed in row slices", len(plan))
+    return len(plan)
+
+
+def gated_in_slices(config: FuserConfig) -> bool:
+    return config.lora_sum.gated_in_slices
+
+
+LORA_SUM = Pattern(
+    "lora_sum",
+    VARIANTS,
+    check_lora_sum,
+    runs_first=True,
+    after_apply=refine_lora_sums,
+    post_grad=(PostGradPass("gated_sums_in_slices", plan_gated_sums, apply_gated_sums, gated_in_slices),),
+)

@@ -235,3 +235,60 @@ def test_gpu_round_term_at_a_lora_shape(dtype, monkeypatch):
     eps = torch.finfo(dtype).eps
     assert ((out.float() - expected.float()).abs() <= (term + expected.float().abs()) * eps + 1e-30).all()
     assert not torch.equal(out, lora_sum(base, a, w, 2.0))
+
+
+# --- fuser::gated_activation_of_lora_sums: the wide gate/up sums and their gated product, in row slices ------------
+
+
+def gated_of_sums_inputs(gen, lead=(3, 11), rank=8, n_cols=48, dtype=torch.float16):
+    """Gate's and up's bases (half), LoRA a (fp32, one per sum) and B (fp32 [n_cols, rank]), and two scales."""
+    g_base, u_base = (torch.randn(*lead, n_cols, generator=gen).to(dtype) for _ in range(2))
+    g_a, u_a = (torch.randn(*lead, rank, generator=gen) for _ in range(2))
+    g_w, u_w = (0.3 * torch.randn(n_cols, rank, generator=gen) for _ in range(2))
+    return (g_base, g_a, g_w, 0.5), (u_base, u_a, u_w, 2.0)
+
+
+def three_calls(gate, up, activation):
+    """What the post-grad pass replaces: lora_sum_wide of each, then the gated op on their results."""
+    ops = torch.ops.fuser
+    g_out, g_wide = ops.lora_sum_wide(*gate)
+    u_out, u_wide = ops.lora_sum_wide(*up)
+    product = ops.gated_activation(g_out, u_out, None, None, 1.0, 1.0, activation, gate_wide=g_wide, up_wide=u_wide)[0]
+    return product, g_out, u_out
+
+
+def check_gated_of_sums(gen, monkeypatch, slice_rows, activation):
+    gate, up = gated_of_sums_inputs(gen)
+    n_cols = gate[0].shape[-1]
+    want = three_calls(gate, up, activation)
+    if slice_rows is not None:  # slices that do not divide the 33 rows: two of 12, one of 9
+        monkeypatch.setattr(module, "WIDE_SLICE_BYTES", slice_rows * 4 * n_cols)
+    got = torch.ops.fuser.gated_activation_of_lora_sums(*gate, True, *up, True, activation)
+    for name, g, w in zip(("product", "gate sum", "up sum"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous(), name
+        assert not g.isnan().any() and torch.equal(g, w), f"{name}: {(g.float() - w.float()).abs().max()}"
+    # and the product is the gated activation of the fp32 sums, rounded once (fp64 check of the whole chain)
+    sums = [p[0].double() + p[3] * (p[1].double() @ p[2].double().t()) for p in (gate, up)]
+    act = F.silu(sums[0]) if activation == "silu" else F.gelu(sums[0], approximate="tanh")
+    exact = act * sums[1]
+    err = ((got[0].double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+    assert err <= 2.0**-10, err  # fp16: within one rounding (2^-11 relative) plus fp32 arithmetic
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("slice_rows", [None, 12], ids=["whole", "slices"])
+def test_gated_activation_of_lora_sums_is_the_three_calls_reference(slice_rows, activation, gen, monkeypatch):
+    """On the reference path, whole or in slices (the last one short): the product and both rounded sums equal
+    lora_sum_wide ×2 + gated_activation's bit for bit, and the product is fp64's within one fp16 rounding."""
+    check_gated_of_sums(gen, monkeypatch, slice_rows, activation)
+
+
+@interpreter
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("slice_rows", [None, 12], ids=["whole", "slices"])
+def test_gated_activation_of_lora_sums_is_the_three_calls_triton(slice_rows, activation, gen, triton_path, monkeypatch):
+    """The same through the Triton kernels (interpreter, every buffer NaN-filled first): bit for bit the three
+    calls' results, one lora-sum kernel per sum and slice."""
+    check_gated_of_sums(gen, monkeypatch, slice_rows, activation)
+    slices = 1 if slice_rows is None else 3
+    assert triton_path == ["_dx_triton"] * (2 + 2 * slices), triton_path
