@@ -315,7 +315,7 @@ def gated_activation_of_lora_sums_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, gate_sum, up_sum)``: what ``fuser::lora_sum_wide`` of gate's and of up's terms, then
     ``fuser::gated_activation(gate_sum, up_sum, ..., gate_wide=, up_wide=)[0]`` compute, with the same kernels,
-    over slices of at most ``WIDE_SLICE_BYTES`` rows of each fp32 sum: two such slices live at a time instead of two
+    over row slices of at most ``WIDE_SLICE_BYTES`` bytes per fp32 sum: two such slices live at a time instead of two
     whole ``[tokens, intermediate]`` fp32 sums. Each element is computed as by the three calls (the kernels are
     elementwise across rows), so the results are theirs bit for bit.
 
