@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from fuser._dtypes import FLOAT_DTYPES, HALF_DTYPES
 from fuser.kernels import upcast_linear as U
-from fuser.kernels._triton import as_rows, check_floating, check_linear
+from fuser.kernels._triton import as_rows, check_floating, check_linear, out_rows
 
 
 def _check(base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -172,6 +172,16 @@ def _summed(g: torch.Tensor | None, g_wide: torch.Tensor | None) -> torch.Tensor
 lora_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _wide_sum_into(base, a, weight, scale, allow_triton, out, wide) -> None:
+    """``fuser::lora_sum_wide(base, a, weight, scale, allow_triton)`` on ``[rows, n]`` views, written into ``out``
+    (base's dtype) and ``wide`` (fp32): the same kernel or the same reference ops."""
+    if triton_path(base, a, weight, allow_triton=allow_triton):
+        U._dx_triton(a, weight.t(), base.dtype, base.contiguous(), scale, False, out=out, wide_out=wide)
+        return
+    wide.copy_(_graph_sum(base, a, weight, scale, False, torch.float32))
+    out.copy_(wide)
+
+
 @torch.library.custom_op("fuser::lora_sum_wide", mutates_args=())
 def lora_sum_wide_op(
     base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, allow_triton: bool = True
@@ -185,13 +195,10 @@ def lora_sum_wide_op(
     value. A gated activation fed this op computes its product from ``wide`` the same way, and saves ``out``.
     """
     _check(base, a, weight)
-    if triton_path(base, a, weight, allow_triton=allow_triton):
-        rows = as_rows(base).contiguous()
-        wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
-        out = U._dx_triton(a, weight.t(), base.dtype, rows, scale, False, wide_out=wide).view(base.shape)
-        return out, wide
-    wide = _graph_sum(base, a, weight, scale, False, torch.float32)
-    return wide.to(base.dtype), wide
+    out = U._alloc(*base.shape, dtype=base.dtype, device=base.device)
+    wide = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+    _wide_sum_into(as_rows(base), as_rows(a), weight, scale, allow_triton, out_rows(out), out_rows(wide))
+    return out, wide
 
 
 @lora_sum_wide_op.register_fake
@@ -289,16 +296,6 @@ linear_wide_op.register_autograd(_backward_linear_wide, setup_context=_setup_con
 WIDE_SLICE_BYTES = 256 << 20
 
 
-def _wide_sum_into(base, a, weight, scale, allow_triton, out, wide) -> None:
-    """``fuser::lora_sum_wide(base, a, weight, scale, allow_triton)`` on ``[rows, n]`` views, written into ``out``
-    (base's dtype) and ``wide`` (fp32): the same kernel or the same reference ops."""
-    if triton_path(base, a, weight, allow_triton=allow_triton):
-        U._dx_triton(a, weight.t(), base.dtype, base.contiguous(), scale, False, out=out, wide_out=wide)
-        return
-    wide.copy_(_graph_sum(base, a, weight, scale, False, torch.float32))
-    out.copy_(wide)
-
-
 @torch.library.custom_op("fuser::gated_activation_of_lora_sums", mutates_args=())
 def gated_activation_of_lora_sums_op(
     gate_base: torch.Tensor,
@@ -340,13 +337,10 @@ def gated_activation_of_lora_sums_op(
     wide = U._alloc(2, min(step, n_rows), n_cols, dtype=torch.float32, device=gate_base.device)
     terms = ((gate_weight, gate_scale, gate_allow_triton), (up_weight, up_scale, up_allow_triton))
     for start in range(0, n_rows, step):
-        end = min(start + step, n_rows)
+        rows, n = slice(start, min(start + step, n_rows)), min(step, n_rows - start)
         for i, (weight, scale, allow) in enumerate(terms):
-            rows = slice(start, end)
-            _wide_sum_into(
-                bases[i][rows], adapters[i][rows], weight, scale, allow, sums[i][rows], wide[i, : end - start]
-            )
-        gated_activation_forward(wide[0, : end - start], wide[1, : end - start], activation, out=out2[start:end])
+            _wide_sum_into(bases[i][rows], adapters[i][rows], weight, scale, allow, sums[i][rows], wide[i, :n])
+        gated_activation_forward(wide[0, :n], wide[1, :n], activation, out=out2[rows])
     return out, gate_sum, up_sum
 
 

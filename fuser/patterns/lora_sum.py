@@ -424,14 +424,14 @@ def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _contiguous_val(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_contiguous()
+def _contiguous(node: torch.fx.Node) -> bool:
+    t = tensor_meta(node)
+    return t is not None and t.is_contiguous()
 
 
 def _wide_pair(narrow: object, wide: object) -> torch.fx.Node | None:
-    """The ``fuser::lora_sum_wide`` call whose results are ``narrow`` (its [0]) and ``wide`` (its [1]), with
-    ``wide`` read by one node and each of the call's users one of its two results; None otherwise."""
+    """The ``fuser::lora_sum_wide`` call whose results are ``narrow`` (its [0], contiguous) and ``wide`` (its [1],
+    read by one node), every user of the call one of those two results; None otherwise."""
     if not (isinstance(narrow, torch.fx.Node) and isinstance(wide, torch.fx.Node)):
         return None
     if narrow.target is not operator.getitem or wide.target is not operator.getitem:
@@ -443,13 +443,17 @@ def _wide_pair(narrow: object, wide: object) -> torch.fx.Node | None:
         return None
     if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in pair.users):
         return None
-    return pair if _contiguous_val(narrow) else None
+    return pair if _contiguous(narrow) else None
 
 
-def plan_gated_sums(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
-    """``(gated, gate_pair, up_pair)`` for each ``fuser::gated_activation`` whose gate and up are both rounded
-    ``fuser::lora_sum_wide`` results, computed from their fp32 results, whose product is its only result read
-    (contiguous), and whose rounded sums are read only after the later of the two sums; reads the graph only."""
+# a planned rewrite: the gated call, its gate's and up's lora_sum_wide calls, and their rounded results it reads
+GatedSums = tuple[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node], tuple[torch.fx.Node, torch.fx.Node]]
+
+
+def plan_gated_sums(graph: torch.fx.Graph) -> list[GatedSums]:
+    """Each ``fuser::gated_activation`` whose gate and up are both rounded ``fuser::lora_sum_wide`` results,
+    computed from their fp32 results, whose product (contiguous) is its only result read, and whose rounded sums
+    are read only after the later of the two sums; reads the graph only."""
     import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
 
     gated_op = torch.ops.fuser.gated_activation.default
@@ -461,48 +465,44 @@ def plan_gated_sums(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx
         args = call_args(node)
         if args["gate_lora"] is not None or args["up_lora"] is not None:
             continue
-        pairs = [_wide_pair(args["gate"], args["gate_wide"]), _wide_pair(args["up"], args["up_wide"])]
+        narrows = (args["gate"], args["up"])
+        pairs = (_wide_pair(narrows[0], args["gate_wide"]), _wide_pair(narrows[1], args["up_wide"]))
         if None in pairs or pairs[0] is pairs[1]:
             continue
-        read = [u for u in node.users if u.target is not operator.getitem or u.args[1] != 0 or not _contiguous_val(u)]
-        if any(u.target is not operator.getitem or u.args[1] == 0 or u.users for u in read):
-            continue  # another result read (a dead getitem of one is left for the erasure)
-        later = max(order[pairs[0]], order[pairs[1]])
-        rounded = [u for pair in pairs for u in pair.users if u.args[1] == 0]
-        if any(order[user] <= later for r in rounded for user in r.users):
+        # the product, contiguous, is the one result read (a dead getitem of another goes with the call)
+        if any(
+            u.target is not operator.getitem or (u.args[1] == 0 and not _contiguous(u)) or (u.args[1] != 0 and u.users)
+            for u in node.users
+        ):
             continue
-        plan.append((node, pairs[0], pairs[1]))
+        later = max(order[pairs[0]], order[pairs[1]])
+        if any(order[user] <= later for narrow in narrows for user in narrow.users):
+            continue
+        plan.append((node, pairs, narrows))
     return plan
 
 
-def apply_gated_sums(graph: torch.fx.Graph, plan: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]) -> int:
+def apply_gated_sums(graph: torch.fx.Graph, plan: list[GatedSums]) -> int:
     """Put one ``fuser::gated_activation_of_lora_sums`` in place of each planned pair of wide sums and their gated
     activation, right after the later sum; returns how many."""
     fused_op = torch.ops.fuser.gated_activation_of_lora_sums.default
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for node, gate_pair, up_pair in plan:
-        g, u = call_args(gate_pair), call_args(up_pair)
-        terms = [t[k] for t in (g, u) for k in ("base", "a", "weight", "scale", "allow_triton")]
+    for node, pairs, narrows in plan:
+        terms = [call_args(pair)[k] for pair in pairs for k in ("base", "a", "weight", "scale", "allow_triton")]
         product = next((r for r in node.users if r.args[1] == 0), None)
-        rounded = [next((r for r in pair.users if r.args[1] == 0), None) for pair in (gate_pair, up_pair)]
-        vals = [x.meta["val"] if x is not None else None for x in (product, *rounded)]
-        with graph.inserting_after(max(gate_pair, up_pair, key=order.get)):
+        with graph.inserting_after(max(pairs, key=order.get)):
             fused = graph.call_function(fused_op, (*terms, call_args(node)["activation"]))
-        results = []
         with graph.inserting_after(fused):
-            for i in (2, 1, 0):
-                results.insert(0, graph.call_function(operator.getitem, (fused, i)))
+            results = [graph.call_function(operator.getitem, (fused, i)) for i in (2, 1, 0)][::-1]
         copy_source_meta(node, fused, *results)
-        fused.meta["val"] = tuple(
-            v if v is not None else pair.meta["val"][0]
-            for v, pair in zip(vals, (gate_pair, gate_pair, up_pair), strict=True)
-        )
-        for result, val in zip(results, fused.meta["val"], strict=True):
-            result.meta["val"] = val
-        for old, new in zip((product, *rounded), results, strict=True):
+        # the product has the rounded gate sum's shape and dtype (its val stands in where no node read it)
+        olds = (product, *narrows)
+        fused.meta["val"] = tuple((old if old is not None else narrows[0]).meta["val"] for old in olds)
+        for old, new, val in zip(olds, results, fused.meta["val"], strict=True):
+            new.meta["val"] = val
             if old is not None:
                 old.replace_all_uses_with(new)
-        for old in (*node.users, node, *gate_pair.users, gate_pair, *up_pair.users, up_pair):
+        for old in (*node.users, node, *pairs[0].users, pairs[0], *pairs[1].users, pairs[1]):
             if not old.users:
                 graph.erase_node(old)
     if plan:
