@@ -15,7 +15,17 @@ import torch
 
 import fuser
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
-from tests.models.tiny import N_LAYERS, batch, build, grads, lora_model, lora_step, rel
+from tests.models.tiny import (
+    N_LAYERS,
+    assert_same_step,
+    batch,
+    build,
+    checkpointed,
+    grads,
+    lora_model,
+    lora_step,
+    rel,
+)
 
 pytest.importorskip("peft")
 # one worker runs the module under pytest-xdist (``--dist loadgroup``): the tests share checkpointed_step_off
@@ -45,11 +55,6 @@ def _no_inductor_cache():
 
     with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
-
-
-def checkpointed(model):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
 
 
 def step_without_the_pass(make):
@@ -86,13 +91,6 @@ def checkpointed_step_off():
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
     return off
-
-
-def assert_same_step(on, off):
-    (loss, g), (loss_off, g_off) = on, off
-    assert torch.equal(loss, loss_off) and g.keys() == g_off.keys()
-    for name in g:
-        assert torch.equal(g[name], g_off[name]), name
 
 
 def test_checkpointed_lora_llama_one_per_layer_step_unchanged(checkpointed_step_off):

@@ -12,7 +12,7 @@ import torch
 
 import fuser
 import fuser.kernels.lora_sum as lora_sum_kernels
-from tests.models.tiny import N_LAYERS, batch, grads, lora_model, lora_step
+from tests.models.tiny import N_LAYERS, assert_same_step, batch, checkpointed, grads, lora_model, lora_step
 
 pytest.importorskip("peft")
 
@@ -32,11 +32,6 @@ def _no_inductor_cache_and_small_slices(monkeypatch):
         yield
 
 
-def checkpointed(model):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
-
-
 def step_on_and_off(make, monkeypatch):
     """(step with the pass, step without it, the pass's count, rows of each gated forward kernel call with it)."""
     import fuser.kernels.gated_activation as gated
@@ -52,13 +47,6 @@ def step_on_and_off(make, monkeypatch):
     off = lora_step(make(), OFF)
     assert PASS not in fuser.backend(OFF).post_grad_counts
     return on, off, counts, rows
-
-
-def assert_same_step(on, off):
-    (loss, g), (loss_off, g_off) = on, off
-    assert torch.equal(loss, loss_off) and g.keys() == g_off.keys() and g
-    for name in g:
-        assert torch.equal(g[name], g_off[name]), name
 
 
 @pytest.mark.parametrize("with_checkpointing", [False, True], ids=["saved", "checkpointed"])

@@ -104,6 +104,20 @@ def assert_step_as_close_to_fp32_as_eager(dtype: torch.dtype, config, model: tor
         assert err <= 2 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {dtype} {err_eager:.2e} vs fp32"
 
 
+def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with transformers' non-reentrant gradient checkpointing on, in training mode."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def assert_same_step(on, off) -> None:
+    """Two ``lora_step`` results (loss, gradients) equal bit for bit, with some gradient to compare."""
+    (loss, g), (loss_off, g_off) = on, off
+    assert torch.equal(loss, loss_off) and g.keys() == g_off.keys() and g
+    for name in g:
+        assert torch.equal(g[name], g_off[name]), name
+
+
 def batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (bsz, seq), generator=g)
