@@ -250,22 +250,16 @@ def test_a_model_dynamo_ran_uncompiled_reports_no_graph_and_says_why():
     instead of only "(nothing matched)". A model that compiled does not carry the hint."""
     from fuser.report import NO_GRAPH_HINT
 
-    torch._dynamo.reset()
-    fuser.dynamo_backend._BACKENDS.clear()
-    try:
-        with torch._dynamo.config.patch(recompile_limit=1):
-            first = fuser.optimize(build("llama"), AOT)
-            first(**batch()).loss.backward()
-            second = fuser.optimize(build("mistral"), fuser.FuserConfig(inner_compiler="aot_eager", strict=True))
-            second(**batch()).loss.backward()  # the wrapper's second class: past the limit, run uncompiled
-        compiled, uncompiled = fuser.report(first), fuser.report(second)
-        assert compiled.graphs >= 1 and NO_GRAPH_HINT not in str(compiled)
-        assert uncompiled.graphs == 0 and uncompiled.counts == {}, (
-            "the second model compiled: transformers no longer shares one forward wrapper across model classes, "
-            "and NO_GRAPH_HINT's example may be out of date"
-        )
-        text = str(uncompiled)
-        assert NO_GRAPH_HINT in text and "recompile_limit" in text and "torch._dynamo.reset()" in text
-    finally:
-        torch._dynamo.reset()
-        fuser.dynamo_backend._BACKENDS.clear()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        first = fuser.optimize(build("llama"), AOT)
+        first(**batch()).loss.backward()
+        second = fuser.optimize(build("mistral"), fuser.FuserConfig(inner_compiler="aot_eager", strict=True))
+        second(**batch()).loss.backward()  # the wrapper's second class: past the limit, run uncompiled
+    compiled, uncompiled = fuser.report(first), fuser.report(second)
+    assert compiled.graphs >= 1 and NO_GRAPH_HINT not in str(compiled)
+    assert uncompiled.graphs == 0 and uncompiled.counts == {}, (
+        "the second model compiled: transformers no longer shares one forward wrapper across model classes, "
+        "and NO_GRAPH_HINT's example may be out of date"
+    )
+    text = str(uncompiled)
+    assert NO_GRAPH_HINT in text and "recompile_limit" in text and "torch._dynamo.reset()" in text
