@@ -336,7 +336,9 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     assert config.linear_cross_entropy == LinearCrossEntropyConfig(dw_kernel="cublas", dw_accumulator="input",
                                                                     streams=True)  # fmt: skip
     assert config.causal_attention == CausalAttentionConfig(gqa_fold=True, runtime_check=False)
-    assert config.gated_mlp == GatedMLPConfig(recompute_for_down_weight=True, backward_in_place=True)
+    assert config.gated_mlp == GatedMLPConfig(
+        recompute_for_down_weight=True, backward_in_place=True, backward_writes_product=True
+    )
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
     assert config.lora_sum == LoraSumConfig(fp32_base=True, gated_in_slices=False)
     assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)

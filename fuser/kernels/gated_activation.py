@@ -293,6 +293,7 @@ if HAS_TRITON:
         dup_ptr,
         dgate_lora_ptr,
         dup_lora_ptr,
+        product_ptr,
         dout_row_stride,
         g_row_stride,
         u_row_stride,
@@ -300,6 +301,7 @@ if HAS_TRITON:
         dup_row_stride,
         dgate_lora_row_stride,
         dup_lora_row_stride,
+        product_row_stride,
         n_rows,
         n_cols,
         gate_scale,
@@ -311,6 +313,7 @@ if HAS_TRITON:
         WRITE_DUP: tl.constexpr,
         WRITE_DGATE_LORA: tl.constexpr,
         WRITE_DUP_LORA: tl.constexpr,
+        WRITE_PRODUCT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -320,8 +323,9 @@ if HAS_TRITON:
         g = tl.load(g_ptr + rows * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         # recompute act(g) and act'(g) rather than saving act(g)
         act, dact = _activation_and_grad(g, ACTIVATION)
-        if NEED_DG:
+        if NEED_DG or WRITE_PRODUCT:
             u = tl.load(u_ptr + rows * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if NEED_DG:
             dg = dout * u * dact
             if WRITE_DGATE:
                 tl.store(dgate_ptr + rows * dgate_row_stride + cols, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
@@ -335,6 +339,13 @@ if HAS_TRITON:
             if WRITE_DUP_LORA:
                 du_lora = (up_scale * du).to(dup_lora_ptr.dtype.element_ty)
                 tl.store(dup_lora_ptr + rows * dup_lora_row_stride + cols, du_lora, mask=mask)
+        if WRITE_PRODUCT:
+            # the forward's product act(g) · u, as its kernel computes it, for the down projection's dW (it may
+            # be written over dout: this program has read its tile of dout above)
+            product = act * u
+            tl.store(
+                product_ptr + rows * product_row_stride + cols, product.to(product_ptr.dtype.element_ty), mask=mask
+            )
 
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
@@ -391,10 +402,12 @@ def _launch_forward(gate2, up2, gate_lora2, up_lora2, out2, gate_sum2, up_sum2, 
     )
 
 
-def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_scale, up_scale, activation):
-    """The backward kernel on ``[rows, n_cols]`` views (None: that gradient is not written)."""
+def _launch_backward(
+    dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_scale, up_scale, activation, product2=None
+):
+    """The backward kernel on ``[rows, n_cols]`` views (None: that gradient, or the product, is not written)."""
     n_rows, n_cols = g2.shape
-    written = [t for t in (dgate2, dup2, dgate_lora2, dup_lora2) if t is not None]
+    written = [t for t in (dgate2, dup2, dgate_lora2, dup_lora2, product2) if t is not None]
     if n_rows == 0 or n_cols == 0 or not written:
         return
     grid, tiles = _launch_grid(n_rows, n_cols)
@@ -406,6 +419,7 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
         dup2 if dup2 is not None else written[0],
         dgate_lora2 if dgate_lora2 is not None else written[0],
         dup_lora2 if dup_lora2 is not None else written[0],
+        product2 if product2 is not None else written[0],
         dout2.stride(0),
         g2.stride(0),
         u2.stride(0),
@@ -413,6 +427,7 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
         _row_stride(dup2),
         _row_stride(dgate_lora2),
         _row_stride(dup_lora2),
+        _row_stride(product2),
         n_rows,
         n_cols,
         float(gate_scale),
@@ -424,6 +439,7 @@ def _launch_backward(dout2, g2, u2, dgate2, dup2, dgate_lora2, dup_lora2, gate_s
         WRITE_DUP=dup2 is not None,
         WRITE_DGATE_LORA=dgate_lora2 is not None,
         WRITE_DUP_LORA=dup_lora2 is not None,
+        WRITE_PRODUCT=product2 is not None,
         **tiles,
     )
 
@@ -500,15 +516,23 @@ def gated_activation_backward(
     *,
     impl: str = "auto",
     out: tuple[torch.Tensor | None, ...] = (None,) * 4,
+    product_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dgate, dup, dgate_lora, dup_lora), each None where ``wanted`` does not ask for it; dgate and dup in g's
     dtype, the LoRA gradients in ``lora``'s dtypes. ``g`` and ``u`` are what the forward saved (the sums under
     LoRA). ``out`` (four buffers or None, g's shape) receive the gradients where given: tests pre-fill them with
-    NaN, the in-place op passes g and u themselves (each element is read before it is written). ``impl`` as for
-    :func:`gated_activation_forward`."""
+    NaN, the in-place op passes g and u themselves (each element is read before it is written). ``product_out``
+    (g's shape and dtype), where given, also receives the forward's product ``act(g) · u`` (what
+    :func:`gated_activation_forward` computes from g and u without LoRA terms), for the down projection's weight
+    gradient: it may be ``dout`` itself. ``impl`` as for :func:`gated_activation_forward`."""
     if not tt.takes_triton(impl, impl == "auto" and tt.triton_runs(g)):
         grads = _reference_backward(dout, g, u, activation, wanted, lora)
-        return tuple(_into(b, t) for b, t in zip(out, grads, strict=True))
+        # the product before anything is written: g, u or dout may be the buffers written
+        product = _reference_forward(g, u, activation, NO_LORA)[0] if product_out is not None else None
+        grads = tuple(_into(b, t) for b, t in zip(out, grads, strict=True))
+        if product_out is not None:
+            product_out.copy_(product)
+        return grads
     _check_inputs(g, u, NO_LORA, activation)
     dtypes = (g.dtype, g.dtype, lora.gate_dtype or g.dtype, lora.up_dtype or g.dtype)
     grads = [
@@ -523,6 +547,7 @@ def gated_activation_backward(
         lora.gate_scale,
         lora.up_scale,
         activation,
+        tt.out_rows(product_out) if product_out is not None else None,
     )
     return grads[0], grads[1], grads[2], grads[3]
 

@@ -12,6 +12,14 @@ plain pointwise code; as the output of a fused op it cannot.
 The matmuls are PyTorch's (``torch.mm``), as eager's; the result is bit for bit eager's ``F.linear`` backward
 given the same product. ``fuser.patterns.gated_mlp`` puts the op in place of such a linear after the rewrite
 (unless ``FuserConfig.gated_mlp.recompute_for_down_weight`` is off).
+
+In the backward, dx (the product's gradient) is read by nothing but the gated op's backward, which reads gate and
+up as the recompute does. ``fuser::gated_down_grads`` is the two in one, for a post-grad pass to put in their place
+(``fuser.patterns.gated_down_grads``): dx = dy @ W, then the gated backward kernel writes dgate, dup and, over dx
+(each element read before it is written), the product, then dW = dyᵀ @ product. That is one pass over gate and up
+fewer than the recompute's (two ``[tokens, intermediate]`` reads and a write, for one write); the values are the
+same: the backward kernel forms the product as the forward kernel does. ``fuser::gated_down_grads_`` writes dgate
+and dup over gate and up, where the gated backward had been rewritten in place.
 """
 
 from __future__ import annotations
@@ -19,7 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuser.kernels.gated_activation import Lora, gated_activation_forward
+from fuser.kernels import _triton as tt
+from fuser.kernels.gated_activation import (
+    BASE_GRADS,
+    Lora,
+    LoraGrads,
+    gated_activation_backward,
+    gated_activation_forward,
+)
 
 # The argument lists of the gated down projections (this op's, and ``fuser::upcast_linear_gated``'s in
 # upcast_linear.py, which adds ``allow_triton``) and of their backward ops (which add what each computes): the
@@ -68,6 +83,61 @@ def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_x, need_w, ne
     dx = dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_x else dy.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
     return dx, dw, dy.new_empty(dy.shape[-1]) if need_b else dy.new_empty(0)
+
+
+def _gated_down_grads(dy, gate, up, weight, gate_scale, up_scale, activation, need_b, out, impl="auto"):
+    """(dgate, dup, dW, db): ``linear_gated_grads(dy, …, need_x=True, need_w=True, need_b)`` and the gated op's
+    backward of its dx (dgate and dup into ``out``'s buffers where given), with the product written over dx by
+    the backward kernel instead of recomputed."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1])
+    lora = LoraGrads(gate_scale, up_scale)
+    dgate, dup, _, _ = gated_activation_backward(
+        dx, gate, up, activation, BASE_GRADS, lora, impl=impl, out=(*out, None, None), product_out=dx
+    )
+    dw = dy2.t() @ dx.view(-1, dx.shape[-1])
+    return dgate, dup, dw, (dy2.sum(0) if need_b else dy.new_empty(0))
+
+
+@torch.library.custom_op(
+    "fuser::gated_down_grads",
+    mutates_args=(),
+    schema=f"({GATED_GRADS_ARGS}, bool need_b) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def gated_down_grads(dy, gate, up, weight, gate_scale, up_scale, activation, need_b):
+    """(dgate, dup, dW, db or an empty tensor): ``fuser::linear_gated_grads(dy, gate, up, weight, …, True, True,
+    need_b)`` whose dx only ``fuser::gated_activation_backward(dx, gate, up, …)`` reads, as one op (see the module
+    docstring). Never called by autograd: a post-grad pass puts it in place of the two."""
+    return _gated_down_grads(dy, gate, up, weight, gate_scale, up_scale, activation, need_b, (None, None))
+
+
+@gated_down_grads.register_fake
+def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_b):
+    db = dy.new_empty(dy.shape[-1] if need_b else 0)
+    return gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape), db
+
+
+@torch.library.custom_op(
+    "fuser::gated_down_grads_",
+    mutates_args=("gate", "up"),
+    schema=(
+        "(Tensor dy, Tensor(a!) gate, Tensor(b!) up, Tensor weight, float gate_scale, float up_scale, str activation,"
+        " bool need_b) -> (Tensor, Tensor)"
+    ),
+)
+def gated_down_grads_inplace(dy, gate, up, weight, gate_scale, up_scale, activation, need_b):
+    """(dW, db or an empty tensor), with dgate written over ``gate`` and dup over ``up``: ``fuser::gated_down_grads``
+    where the gated backward had been rewritten in place (``fuser::gated_activation_backward_``: nothing reads
+    gate and up after it)."""
+    # the kernels write rows of unit last stride; the reference computes both gradients before it writes either
+    impl = "triton" if tt.triton_runs(gate) and gate.is_contiguous() and up.is_contiguous() else "reference"
+    _, _, dw, db = _gated_down_grads(dy, gate, up, weight, gate_scale, up_scale, activation, need_b, (gate, up), impl)
+    return dw, db
+
+
+@gated_down_grads_inplace.register_fake
+def _(dy, gate, up, weight, gate_scale, up_scale, activation, need_b):
+    return weight.new_empty(weight.shape), dy.new_empty(dy.shape[-1] if need_b else 0)
 
 
 def _setup_context(ctx, inputs, output):

@@ -44,6 +44,7 @@ from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.gated_down_grads import PASS as DOWN_GRADS_PASS
 from fuser.patterns.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
 
 if TYPE_CHECKING:
@@ -60,10 +61,15 @@ class GatedMLPConfig:
     backward_in_place:          Inductor's post-grad graphs write the gated backward's dgate and dup over gate and
                                 up, and add the down adapter's dx into the base projection's gradient, where
                                 nothing reads them after (``fuser.patterns.gated_mlp_inplace``; default ``True``).
+    backward_writes_product:    where the down projection recomputes the product for its weight gradient
+                                (``recompute_for_down_weight``), the gated backward's kernel writes the product
+                                instead, over the product's gradient once read: one op, one pass over gate and up
+                                fewer (``fuser.patterns.gated_down_grads``; default ``True``).
     """
 
     recompute_for_down_weight: bool = True
     backward_in_place: bool = True
+    backward_writes_product: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "gated_mlp")
@@ -489,7 +495,7 @@ SWIGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
-    post_grad=IN_PLACE_PASSES,
+    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
 )
 GEGLU = Pattern(
     "geglu",
@@ -497,5 +503,5 @@ GEGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
-    post_grad=IN_PLACE_PASSES,
+    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
 )

@@ -965,3 +965,38 @@ def test_fp32_lora_terms_under_a_half_precision_base(force_triton, gen, triton_o
     assert_close("gate.grad", gate.grad, g64.grad, tol)
     assert_close("gate_lora.grad", gate_lora.grad, 0.5 * g64.grad, tol)
     assert_close("up_lora.grad", up_lora.grad, 2.0 * u64.grad, tol)
+
+
+@interpreter
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("over_dout", [False, True], ids=["own_buffer", "over_dout"])
+def test_triton_backward_writes_the_forward_product(activation, dtype, over_dout, gen):
+    """``product_out``: the backward kernel also writes ``act(g) · u``, the forward kernel's value bit for bit
+    (the down projection's weight gradient takes it in place of a recompute), into its own buffer or over dout
+    (each element read before it is written); the gradients are unchanged."""
+    gate, up, _, _, _, _, dout = make_inputs((3, 7, 300), dtype, gen)
+    forward = gated_activation_forward(gate, up, activation, impl="triton")[0]
+    plain = gated_activation_backward(dout, gate, up, activation, impl="triton")
+    dout_in = dout.clone()
+    product = dout_in if over_dout else poisoned(gate.shape, dtype)
+    buffers = (poisoned(gate.shape, dtype), poisoned(gate.shape, dtype), None, None)
+    grads = gated_activation_backward(dout_in, gate, up, activation, impl="triton", out=buffers, product_out=product)
+    assert torch.equal(product, forward)
+    assert torch.equal(grads[0], plain[0]) and torch.equal(grads[1], plain[1])
+    expected = gated_activation_reference_forward(fp64(gate), fp64(up), activation)[0]
+    assert_close("product", product, expected, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("over_g_and_u", [False, True], ids=["own_buffers", "over_g_and_u"])
+def test_reference_backward_writes_the_product_before_overwriting(over_g_and_u, gen):
+    """The reference path computes the product from g and u before it writes the gradients, which may go over
+    them (the in-place op) or over dout."""
+    gate, up, _, _, _, _, dout = make_inputs((4, 33), torch.float32, gen)
+    forward = gated_activation_forward(gate, up, "silu", impl="reference")[0]
+    plain = gated_activation_backward(dout, gate, up, "silu", impl="reference")
+    g, u, d = gate.clone(), up.clone(), dout.clone()
+    out = (g, u, None, None) if over_g_and_u else (None,) * 4
+    grads = gated_activation_backward(d, g, u, "silu", impl="reference", out=out, product_out=d)
+    assert torch.equal(d, forward)
+    assert torch.equal(grads[0], plain[0]) and torch.equal(grads[1], plain[1])

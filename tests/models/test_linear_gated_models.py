@@ -89,3 +89,27 @@ def test_the_product_is_no_longer_saved(recompute):
     wide = saved_wide_tensors(small_llama(96).train(), 96, config)
     # gate and up (for the gated op's backward), and without the refinement the product too
     assert len(wide) == (2 if recompute else 3) * 2, wide
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("need_b", [True, False])
+def test_gated_down_grads_is_the_two_ops_it_replaces(activation, need_b):
+    """``fuser::gated_down_grads`` (and its in-place form) gives what ``linear_gated_grads`` and the gated backward
+    of its dx give, bit for bit: the product comes from the backward's own formula, not a recompute."""
+    gen = torch.Generator().manual_seed(2)
+    gate, up = (torch.randn(2, 5, 24, generator=gen) for _ in range(2))
+    w, dy = torch.randn(16, 24, generator=gen), torch.randn(2, 5, 16, generator=gen)
+    scales = (1.0, 1.0, activation)
+    dx, dw, db = torch.ops.fuser.linear_gated_grads(dy, gate, up, w, *scales, True, True, need_b)
+    dgate, dup, *_ = torch.ops.fuser.gated_activation_backward(
+        dx, gate, up, 1.0, 1.0, True, True, False, False, activation
+    )
+    fused = torch.ops.fuser.gated_down_grads(dy, gate, up, w, *scales, need_b)
+    for name, a, b in zip(("dgate", "dup", "dW", "db"), fused, (dgate, dup, dw, db), strict=True):
+        assert torch.equal(a, b), name
+    g, u = gate.clone(), up.clone()
+    dw_, db_ = torch.ops.fuser.gated_down_grads_(dy, g, u, w, *scales, need_b)
+    for name, a, b in (("dgate", g, dgate), ("dup", u, dup), ("dW", dw_, dw), ("db", db_, db)):
+        assert torch.equal(a, b), name
+    torch.library.opcheck(torch.ops.fuser.gated_down_grads.default, (dy, gate, up, w, *scales, need_b))
+    torch.library.opcheck(torch.ops.fuser.gated_down_grads_.default, (dy, gate.clone(), up.clone(), w, *scales, need_b))
