@@ -12,7 +12,7 @@ from fuser.patterns.causal_attention import CausalAttentionConfig
 from fuser.patterns.gated_mlp import GatedMLPConfig
 from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
 from fuser.patterns.lora_sum import LoraSumConfig
-from fuser.patterns.rms_norm import RmsNormLinearConfig
+from fuser.patterns.rms_norm import RmsNormConfig, RmsNormLinearConfig
 from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -24,6 +24,7 @@ __all__ = [
     "GatedMLPConfig",
     "LinearCrossEntropyConfig",
     "LoraSumConfig",
+    "RmsNormConfig",
     "RmsNormLinearConfig",
     "UpcastLinearConfig",
 ]
@@ -66,6 +67,8 @@ class FuserConfig:
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
                            rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
                            gate/up sums are formed in row slices (off until measured on a GPU).
+    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True)``: a residual add before a fused norm
+                           joins the norm's op, forward and backward.
     rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
                            adapters are taken too.
 
@@ -84,6 +87,7 @@ class FuserConfig:
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
     upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
     lora_sum: LoraSumConfig = field(default_factory=LoraSumConfig)
+    rms_norm: RmsNormConfig = field(default_factory=RmsNormConfig)
     rms_norm_linear: RmsNormLinearConfig = field(default_factory=RmsNormLinearConfig)
 
     def __post_init__(self) -> None:

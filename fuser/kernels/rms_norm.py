@@ -491,7 +491,13 @@ def add_rms_norm_op(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
     x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
     rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, fp32 or x's
-    dtype (a LoRA sum kept in fp32, issue 16)."""
+    dtype (a LoRA sum kept in fp32, issue 16; a decoder layer's ``h + attn_out`` under full fine-tuning).
+
+    Numerics, against eager's add then norm in x's dtype: the sum is rounded once either way (h is eager's value
+    bit for bit); the norm reads the sum before that rounding (eager reads it after, as Inductor does not when it
+    fuses the two); the backward adds h's own gradient to the norm's input gradient in fp32 and rounds once (eager
+    rounds both, then adds and rounds again). No rounding eager does not do, and one fewer in each of the last
+    two: as close to the fp32 values as eager's, or closer. In fp32 both compute the same formulas."""
     tt.check_floating("add_rms_norm", x=x, residual=residual, weight=weight)
     _check_residual(x, residual)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -529,18 +535,30 @@ def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
 )
 def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
     """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
-    plus ``dh`` (the rounded sum's own gradient, from the residual stream), one value in two dtypes."""
-    dres = torch.empty(h.shape, dtype=residual_dtype, device=h.device)
+    plus ``dh`` (the rounded sum's own gradient, from the residual stream), added in fp32 and rounded once, one
+    value in two dtypes. Where ``residual_dtype`` is h's (a residual add of two tensors of one dtype: full
+    fine-tuning) dresidual would be dx again: it is an empty (0-element) tensor, not written, and dx is the
+    gradient of both inputs."""
     norm = Norm(weight, eps, offset, norm_dtype)
-    dx, dw = rms_norm_backward(dy, h, norm, compute_dweight, h.dtype, rstd=rstd, dres=dh, dx2_out=dres)
+    dres = _residual_gradient(h, residual_dtype)
+    dx, dw = rms_norm_backward(
+        dy, h, norm, compute_dweight, h.dtype, rstd=rstd, dres=dh, dx2_out=dres if dres.numel() else None
+    )
     return dx, dres, tt.or_empty(dw, h)
+
+
+def _residual_gradient(h: torch.Tensor, residual_dtype: torch.dtype) -> torch.Tensor:
+    """add_rms_norm_backward's dresidual buffer: h's shape in ``residual_dtype``, or 0 elements where that is h's
+    dtype (dx is then the residual's gradient too)."""
+    shape = (0,) if residual_dtype == h.dtype else h.shape
+    return h.new_empty(shape, dtype=residual_dtype)
 
 
 @add_rms_norm_backward_op.register_fake
 def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
     has_dw = weight is not None and compute_dweight
     dw = weight.new_empty(weight.shape) if has_dw else h.new_empty(0)
-    return h.new_empty(h.shape), h.new_empty(h.shape, dtype=residual_dtype), dw
+    return h.new_empty(h.shape), _residual_gradient(h, residual_dtype), dw
 
 
 def _add_setup_context(ctx, inputs, output):
@@ -563,6 +581,8 @@ def _add_backward(ctx, dy, _drstd, dh):
     dx, dres, dw = torch.ops.fuser.add_rms_norm_backward(
         dy, dh, h, weight, rstd, ctx.eps, ctx.offset, ctx.norm_dtype, compute_dweight, ctx.residual_dtype
     )
+    if ctx.residual_dtype == h.dtype:  # one gradient for both inputs: the op wrote it once (dres is empty)
+        dres = dx
     return (dx if need_x else None), (dres if need_r else None), (dw if compute_dweight else None), *rest
 
 

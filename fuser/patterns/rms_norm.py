@@ -24,11 +24,13 @@ dtype, read from the graph's metadata (so autocast's dtypes are kept). ``eps`` i
 made it symbolic (a second model with another ``rms_norm_eps`` in one process), the graph's ``item()`` node: the
 op takes it from the graph, and the checks read the value it was traced with. Where ``x`` is a LoRA sum or a
 residual add over one, the ``lora_sum`` pattern's refinements hand the op the sum's fp32 value as well
-(``x_wide``).
+(``x_wide``); where it is any other residual add of two tensors of one dtype, a refinement of this pattern makes
+the add and the norm one op (``fuser::add_rms_norm``, :func:`add_residuals_into_norms`).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -36,7 +38,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 import fuser.kernels.linear_normed  # noqa: F401  (registers torch.ops.fuser.linear_normed)
-import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm)
+import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum, whose sums the refinement leaves)
+import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
+from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
@@ -47,6 +51,8 @@ from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
+
+log = logging.getLogger("fuser")
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,25 @@ class RmsNormLinearConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm_linear")
+
+
+@dataclass(frozen=True)
+class RmsNormConfig:
+    """The ``rms_norm`` pattern's switch (it holds for the norms ``rms_norm_linear`` takes too).
+
+    residual_add:  a residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused
+                   norm reads (every decoder layer's ``h = h + attn_out`` before its next norm, under full
+                   fine-tuning) becomes one ``fuser::add_rms_norm``: the add, its rounding (the residual stream's
+                   next value) and the norm in one kernel, and in the backward the residual stream's gradient added
+                   to the norm's input gradient by the norm's own kernel (:func:`add_residuals_into_norms`). The
+                   norm reads the sum before its rounding, and the gradients are added in fp32 and rounded once: as
+                   close to fp32 as the separate add, or closer. LoRA sums added to the residual are lora_sum's.
+    """
+
+    residual_add: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rms_norm")
 
 
 h = V("h")
@@ -184,9 +209,6 @@ def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Repla
 
 def _number(value: object) -> str:
     return f"`{value.name}`" if isinstance(value, torch.fx.Node) else str(value)
-
-
-RMS_NORM = Pattern("rms_norm", VARIANTS, check_rms_norm, anchors=frozenset({"rsqrt", "rms_norm"}))
 
 
 def norm_of(x: object) -> tuple[torch.fx.Node, torch.fx.Node, tuple] | None:
@@ -345,6 +367,137 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     return n
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Refinement: the residual add a norm reads joins the norm's op
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _lora_sum_kept_wide(node: object) -> bool:
+    """A ``fuser::lora_sum`` that rounds its sum (peft's order): lora_sum's refinements, which run after this one,
+    add such a sum to the residual in fp32 before the norm (issue 16), and take the add themselves."""
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.target is torch.ops.fuser.lora_sum.default
+        and not (len(node.args) > 4 and node.args[4])
+    )
+
+
+def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """``(a, b)`` for ``norm`` (a ``fuser::rms_norm`` call) that normalises a residual add ``a + b`` it can absorb
+    into an op in the add's place; raises ``Decline`` otherwise."""
+    add = norm.args[0]
+    c = canonical(add)
+    if c is None or c.op != "add" or len(c.args) != 2:
+        raise Decline(f"its input `{getattr(add, 'name', add)}` is not an add (nothing to absorb)")
+    a, b = add.args[:2]
+    metas = [tensor_meta(v) for v in (a, b, add)]
+    if None in metas or not all(isinstance(v, torch.fx.Node) for v in (a, b)):
+        raise Decline(f"`{add.name}` adds a value that is not a tensor of the graph")
+    if {t.dtype for t in metas} != {metas[2].dtype} or metas[2].dtype not in FLOAT_DTYPES:
+        raise Decline(
+            f"`{add.name}` adds {metas[0].dtype} and {metas[1].dtype} into {metas[2].dtype}: not two tensors of one "
+            "fp16/bf16/fp32 dtype"
+        )
+    if not all(_same_shape(t.shape, metas[2].shape) for t in metas[:2]):
+        raise Decline(
+            f"`{add.name}` broadcasts: {tuple(metas[0].shape)} + {tuple(metas[1].shape)} (the op adds tensors of one "
+            "shape)"
+        )
+    if metas[0].device != metas[1].device:
+        raise Decline(f"`{add.name}` adds tensors on different devices")
+    wide = [v.name for v in (a, b) if _lora_sum_kept_wide(v)]
+    if wide:
+        raise Decline(f"`{wide[0]}` is a LoRA sum: lora_sum's refinement adds it to the residual in fp32 (issue 16)")
+    norms = [u for u in add.users if u.op == "call_function" and u.target in _NORM_OPS]
+    if norms != [norm]:
+        raise Decline(f"`{add.name}` feeds {len(norms)} norms: the op absorbs an add into one")
+    if add in norm.args[1:]:
+        raise Decline(f"`{norm.name}` reads `{add.name}` as another argument too")
+    if any(u.target is not operator.getitem for u in norm.users):
+        raise Decline(f"`{norm.name}`'s results are read other than by index")
+    late = [v.name for v in norm.args[1:] if isinstance(v, torch.fx.Node) and order[v] > order[add]]
+    if late:
+        raise Decline(f"`{late[0]}`, an argument of the norm, is computed after `{add.name}`")
+    # the op takes the add's place: nothing may read (and so perhaps modify in place) the sum before the norm does,
+    # but for the replaced norm's own upcast of it, left without users until Inductor drops it
+    early = [u.name for u in add.users if order[u] < order[norm] and not _dead_cast(u)]
+    if early:
+        raise Decline(f"`{early[0]}` reads `{add.name}` before the norm does")
+    return a, b
+
+
+def _dead_cast(node: torch.fx.Node) -> bool:
+    c = canonical(node)
+    return c is not None and c.op == "to" and not node.users
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(statically_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def add_residuals_into_norms(graph: torch.fx.Graph, config: FuserConfig) -> int:
+    """``y, rstd = rms_norm(a + b, …)`` → ``y, rstd, h = add_rms_norm(a, b, …)`` (``RmsNormConfig.residual_add``),
+    where the add (``operator.add``, ``torch.add`` or ``Tensor.add``, no alpha) sums two tensors of one fp16/bf16/
+    fp32 dtype and one shape, and this norm is the only one that reads it: its other readers (the residual stream)
+    read ``h``, the same sum rounded once as the add rounds it. The op normalises the sum before that rounding, as
+    Inductor computes an add fused with a norm, and its backward adds ``h``'s own gradient to the norm's input
+    gradient in fp32 with one rounding (``fuser/kernels/rms_norm.py``), so that a decoder layer's residual add costs
+    no kernel of its own either way. Covers the norms of ``rms_norm`` and ``rms_norm_linear`` alike
+    (``linear_normed``'s rebuild then reads ``h``); a norm given an fp32 ``x_wide``, or whose add sums a LoRA sum
+    (lora_sum's refinements take those), is left as it is. Returns how many norms; a declined one is logged at
+    debug level with the reason."""
+    if not config.rms_norm.residual_add:
+        return 0
+    n = 0
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    rms_norm = torch.ops.fuser.rms_norm.default
+    for norm in [node for node in graph.nodes if node.op == "call_function" and node.target is rms_norm]:
+        if norm.kwargs.get("x_wide") is not None or len(norm.args) != 6:
+            continue  # the fp32 value a LoRA sum's refinement gave it
+        try:
+            a, b = _residual_operands(norm, order)
+        except Decline as reason:
+            log.debug("fuser: rms_norm: `%s` keeps its input apart: %s", norm.name, reason)
+            continue
+        add = norm.args[0]
+        with graph.inserting_after(add):
+            fused = graph.call_function(torch.ops.fuser.add_rms_norm.default, (a, b, *norm.args[1:6]))
+        with graph.inserting_after(fused):
+            total = graph.call_function(operator.getitem, (fused, 2))
+        copy_source_meta(norm, fused)
+        total.meta.update(add.meta)  # the residual stream's next value: the add's shape, dtype and source line
+        example = norm.meta.get("example_value")
+        if isinstance(example, (tuple, list)) and "example_value" in add.meta:
+            fused.meta["example_value"] = (*example[:2], add.meta["example_value"])
+        add.replace_all_uses_with(total, delete_user_cb=lambda user, norm=norm: user is not norm)
+        norm.replace_all_uses_with(fused)  # its getitem 0 / 1 (y, rstd) are the fused op's
+        graph.erase_node(norm)
+        graph.erase_node(add)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        n += 1
+    return n
+
+
+_NORM_OPS = (torch.ops.fuser.rms_norm.default, torch.ops.fuser.add_rms_norm.default)
+
+
+def rebuild_and_add_residuals(graph: torch.fx.Graph, config: FuserConfig) -> int:
+    """``rms_norm_linear``'s refinements: :func:`rebuild_in_projections`, then, when the ``rms_norm`` pattern (whose
+    refinement it is, run after this one) is off, :func:`add_residuals_into_norms` for these norms."""
+    n = rebuild_in_projections(graph, config)
+    if not config.enabled("rms_norm"):
+        n += add_residuals_into_norms(graph, config)
+    return n
+
+
+RMS_NORM = Pattern(
+    "rms_norm",
+    VARIANTS,
+    check_rms_norm,
+    anchors=frozenset({"rsqrt", "rms_norm"}),
+    after_apply=add_residuals_into_norms,
+)
+
 # on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
 # the H200 (benchmarks/results/LOG.md, 2026-12-02 07:04); for LoRA, RmsNormLinearConfig.lora says why it is off
-RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, after_apply=rebuild_in_projections)
+RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, after_apply=rebuild_and_add_residuals)

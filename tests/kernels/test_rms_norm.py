@@ -585,3 +585,153 @@ def test_gpu_op_autograd(model, dtype, gen):
     assert_close("x.grad", x.grad, dx_ref, tol, scale=dx_scale(dy, x, weight, 1e-6, kwargs.get("offset", 0.0)))
     if weight is not None:
         assert_close("weight.grad", weight.grad, dw_ref, tol)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# add_rms_norm with a residual of x's dtype (full fine-tuning's residual adds): one gradient, written once
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _add_norm_inputs(shape, dtype, gen, device="cpu"):
+    """x, residual (both ``dtype``), weight, and the upstream gradients dy (of y) and dh (of the rounded sum)."""
+    x, weight, dy = make_inputs(shape, dtype, gen, True, device)
+    residual = randn(shape, gen, dtype, device, scale=0.5)
+    dh = randn(shape, gen, dtype, device)
+    return x, residual, weight, dy, dh
+
+
+def _add_norm_dx64(dy, dh, h, weight, rstd, eps=1e-6, offset=0.0):
+    """fp64 reference of add_rms_norm's input gradient: the norm's backward at the saved (rounded) sum and rstd, plus
+    the sum's own gradient ``dh`` (None: none)."""
+    norm = Norm(fp64(weight), eps, offset)
+    rstd64 = None if rstd is None else fp64(rstd)
+    dx, _ = rms_norm_backward(fp64(dy), fp64(h), norm, False, rstd=rstd64, impl="reference")
+    return dx if dh is None else dx + fp64(dh)
+
+
+@pytest.mark.parametrize("with_dh", [True, False], ids=["dh", "no_dh"])
+@pytest.mark.parametrize(
+    "dtype, path",
+    [
+        (torch.float32, "reference"),
+        (torch.float16, "reference"),
+        (torch.bfloat16, "reference"),
+        pytest.param(torch.float32, "triton", marks=interpreter),
+        pytest.param(torch.float16, "triton", marks=interpreter),
+    ],
+    ids=["fp32", "fp16", "bf16", "fp32_triton_interpreter", "fp16_triton_interpreter"],
+)
+def test_add_rms_norm_backward_of_one_dtype_returns_no_second_gradient(dtype, path, with_dh, gen, triton_on_cpu):
+    """residual_dtype == h's dtype: dres is empty (nothing written twice), dx is the fp64 reference (the norm's
+    input gradient plus dh, summed in fp32 and rounded once: within the dtype's tolerance), and it is bit for bit
+    the dx of the two-store path (residual in fp32), which computes the same fp32 value. On the reference path and
+    through the Triton kernels (the interpreter: fp32 and fp16, its bf16 is not trusted)."""
+    triton_on_cpu(path == "triton")
+    x, residual, weight, dy, dh = _add_norm_inputs((3, 7, 65), dtype, gen)
+    dh = dh if with_dh else None
+    _, rstd, h = torch.ops.fuser.add_rms_norm(x, residual, weight, 1e-6, 0.0, None, None)
+    dx, dres, dw = torch.ops.fuser.add_rms_norm_backward(dy, dh, h, weight, rstd, 1e-6, 0.0, None, True, dtype)
+    assert dres.numel() == 0 and dres.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
+    scale = dx_scale(dy, h, weight, 1e-6, 0.0)
+    assert_close("dx", dx, _add_norm_dx64(dy, dh, h, weight, rstd), TOLERANCE[dtype], scale=scale)
+    dx2, dres2, dw2 = torch.ops.fuser.add_rms_norm_backward(
+        dy, dh, h, weight, rstd, 1e-6, 0.0, None, True, torch.float32 if dtype != torch.float32 else torch.float64
+    )
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2) and dres2.shape == h.shape
+
+
+@pytest.mark.parametrize(
+    "path", ["reference", pytest.param("triton", marks=interpreter)], ids=["reference", "triton_interpreter"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_with_dres_and_no_second_store(path, dtype, gen):
+    """The entry add_rms_norm_backward calls when the residual has h's dtype: dres added to dx, no ``dx2_out``.
+    dx is NaN-poisoned before the kernel runs (the interpreter: fp32 and fp16 only, its bf16 is not trusted)."""
+    x, _, weight, dy, dh = _add_norm_inputs((2, 97, 65), dtype, gen)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    dx, dw = rms_norm_backward(
+        dy, x, Norm(weight, 1e-6), True, dtype, rstd=rstd, dres=dh, impl=path, dx_out=poisoned(x.shape, dtype)
+    )
+    scale = dx_scale(dy, x, weight, 1e-6, 0.0)
+    assert_close("dx", dx, _add_norm_dx64(dy, dh, x, weight, rstd), TOLERANCE[dtype], scale=scale)
+    _, dw_ref = rms_norm_reference_backward(fp64(dy), fp64(x), fp64(weight), 1e-6, rstd=fp64(rstd))
+    assert_close("dweight", dw, dw_ref, TOLERANCE[dtype])
+
+
+def _add_norm_autograd(x, residual, weight, probe_y, probe_h, use_y=True):
+    y, rstd, h = torch.ops.fuser.add_rms_norm(x, residual, weight, 1e-6, 0.0, None, None)
+    assert rstd.dtype == torch.float32 and h.dtype == x.dtype
+    loss = (h.double() * probe_h).sum()
+    if use_y:
+        loss = loss + (y.double() * probe_y).sum()
+    loss.backward()
+    return y, h
+
+
+@pytest.mark.parametrize("use_y", [True, False], ids=["y_and_h", "h_only"])
+@pytest.mark.parametrize(
+    "dtype, device",
+    [
+        (torch.float32, "cpu"),
+        (torch.bfloat16, "cpu"),
+        pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu),
+        pytest.param(torch.float16, "cuda", marks=pytest.mark.gpu),
+    ],
+    ids=["fp32", "bf16", "bf16_cuda", "fp16_cuda"],
+)
+def test_add_rms_norm_autograd_of_one_dtype_matches_fp64(dtype, device, use_y, gen):
+    """Gradients through add_rms_norm's autograd, x and residual of one dtype, against fp64 autograd of the add and
+    Llama's norm: both inputs get one gradient (dx handed to both), the weight its own. The fp64 reference is
+    evaluated at the inputs' exact values; the tolerance is the dtype's (TOLERANCE), the op rounding the sum, the
+    gradient and the output once each."""
+    shape = (2, 33, 300) if device == "cpu" else (4, 1024, 2048)
+    x, residual, weight, _, _ = _add_norm_inputs(shape, dtype, gen, device)
+    probe_y, probe_h = randn(shape, gen, device=device).double(), randn(shape, gen, device=device).double()
+    x.requires_grad_()
+    residual.requires_grad_()
+    weight.requires_grad_()
+    y, h = _add_norm_autograd(x, residual, weight, probe_y, probe_h, use_y)
+
+    x64, r64, w64 = (fp64(t).requires_grad_() for t in (x, residual, weight))
+    h64 = x64 + r64
+    y64 = w64 * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    loss64 = (h64 * probe_h).sum() + ((y64 * probe_y).sum() if use_y else 0)
+    loss64.backward()
+
+    tol = TOLERANCE[dtype]
+    assert_close("h", h, h64, tol)
+    assert torch.equal(x.grad, residual.grad), "x and the residual take one gradient"
+    assert x.grad.dtype == residual.grad.dtype == dtype
+    # the norm's part of dx is measured against ‖rstd·g‖ as everywhere here; dh adds a term of its own size
+    scale = dx_scale(probe_y, h64, weight, 1e-6, 0.0) + probe_h.norm() if use_y else None
+    assert_close("x.grad", x.grad, x64.grad, tol, scale=scale)
+    assert_close("residual.grad", residual.grad, r64.grad, tol, scale=scale)
+    if use_y:
+        assert_close("y", y, y64, tol)
+        assert_close("weight.grad", weight.grad, w64.grad, tol)
+    else:
+        assert weight.grad is None
+
+
+def test_add_rms_norm_only_one_input_needs_a_gradient(gen, reference_path):
+    x, residual, weight, _, _ = _add_norm_inputs((5, 65), torch.float32, gen)
+    residual.requires_grad_()
+    y, _, h = torch.ops.fuser.add_rms_norm(x, residual, weight, 1e-6, 0.0, None, None)
+    (y.sum() + h.sum()).backward()
+    assert x.grad is None and residual.grad is not None and torch.isfinite(residual.grad).all()
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.float16, torch.float32], ids=["same_dtype", "fp32_residual"])
+def test_opcheck_add_rms_norm_backward(residual_dtype, gen, reference_path):
+    """The fake function returns what the op returns: an empty dres where the residual has h's dtype."""
+    _, _, weight, dy, dh = _add_norm_inputs((3, 5, 65), torch.float16, gen)
+    h = randn((3, 5, 65), gen, torch.float16, scale=2.0)
+    rstd = torch.rsqrt(h.float().pow(2).mean(-1) + 1e-6)
+    args = (dy, dh, h, weight, rstd, 1e-6, 0.0, None, True, residual_dtype)
+    torch.library.opcheck(torch.ops.fuser.add_rms_norm_backward.default, args)
+
+
+def test_opcheck_add_rms_norm_of_one_dtype(gen, reference_path):
+    x, residual, weight, _, _ = _add_norm_inputs((3, 5, 65), torch.float32, gen)
+    args = (x.requires_grad_(), residual.requires_grad_(), weight.requires_grad_(), 1e-6, 0.0, None, None)
+    torch.library.opcheck(torch.ops.fuser.add_rms_norm.default, args)
