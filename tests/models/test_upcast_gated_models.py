@@ -68,7 +68,8 @@ def test_not_when_the_gated_op_absorbed_the_lora_sums():
     since = len(fuser.backend(config).results)
     lora_step(lora_model(), config)
     assert sum(r.counts.get("swiglu", 0) for r in fuser.backend(config).results[since:]) == N_LAYERS
-    assert refined(config, since) == {"upcast_linear": 5 * N_LAYERS}  # the shared-input groups only
+    # the shared-input groups only (rms_norm's own refinement, the residual adds it absorbs, counts apart)
+    assert {k: v for k, v in refined(config, since).items() if k != "rms_norm"} == {"upcast_linear": 5 * N_LAYERS}
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
