@@ -59,14 +59,14 @@ class FuserConfig:
     linear_cross_entropy:  :class:`LinearCrossEntropyConfig` ``(dw_kernel="cublas", dw_accumulator="input",
                            streams=True)``: how the fused loss accumulates the lm_head's weight gradient.
     causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=True, runtime_check=False)``.
-    gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True)``,
-                           for swiglu and geglu.
+    gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True,
+                           backward_writes_product=True)``, for swiglu and geglu.
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
                            group_shared_inputs=True)``; ``triton`` also switches lora_sum's kernels, which are the
                            same.
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
                            rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
-                           gate/up sums are formed in row slices (off until measured on a GPU).
+                           gate/up sums are formed in row slices (off: measured slower, and not enough memory saved).
     rms_norm:              :class:`RmsNormConfig` ``(residual_add=True)``: a residual add before a fused norm
                            joins the norm's op, forward and backward.
     rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A

@@ -53,8 +53,9 @@ class LoraSumConfig:
                 3.5 GiB live at once on Llama-3-8B at 32,768 tokens under gradient checkpointing, which took its
                 peak from 28.8 to 31.5 GiB (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md). The same
                 kernels compute the same values, bit for bit (checked on CPU, reference and Triton-interpreter
-                paths). Default ``False`` until it is measured on a GPU: its speed (two slices at 4×2048 tokens,
-                eight at 32,768) and the peak it leaves.
+                paths). Default ``False``: measured on the H200 it took that job's peak only to 30.3 GiB (the peak
+                is then set elsewhere) and made it and the 4×2048 job 0.4 % slower
+                (train_step_variants_gated_in_slices_h200_2026-12-03_0413.md).
     """
 
     fp32_base: bool = True
