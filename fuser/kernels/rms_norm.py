@@ -490,8 +490,10 @@ rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 def add_rms_norm_op(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
     x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
-    rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, fp32 or x's
-    dtype (a LoRA sum kept in fp32, issue 16; a decoder layer's ``h + attn_out`` under full fine-tuning).
+    rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, in x's dtype (a
+    decoder layer's ``h + attn_out`` under full fine-tuning), fp32 (a LoRA sum kept in fp32, issue 16) or narrower
+    than x (under autocast with fp32 weights, a bf16 projection added into the fp32 stream: h is then fp32, eager's
+    sum exactly).
 
     Numerics, against eager's add then norm in x's dtype: the sum is rounded once either way (h is eager's value
     bit for bit); the norm reads the sum before that rounding (eager reads it after, as Inductor does not when it
@@ -508,10 +510,13 @@ def add_rms_norm_op(x, residual, weight, eps, offset, norm_dtype, out_dtype):
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    if residual.shape != x.shape or residual.dtype not in (x.dtype, torch.float32):
+    # the sum is stored in x's dtype: a residual in x's dtype, in fp32 (a LoRA sum kept wide, rounded into a half x),
+    # or narrower than x (autocast's half-precision branch added into an fp32 residual stream: eager's sum is fp32)
+    allowed = residual.dtype in (x.dtype, torch.float32) or residual.itemsize < x.itemsize
+    if residual.shape != x.shape or not allowed:
         raise ValueError(
-            f"fuser: add_rms_norm expects a residual of x's shape {tuple(x.shape)}, in fp32 or x's dtype "
-            f"{x.dtype}, got {residual.dtype} {tuple(residual.shape)}"
+            f"fuser: add_rms_norm expects a residual of x's shape {tuple(x.shape)}, in x's dtype {x.dtype}, fp32 or "
+            f"a narrower float dtype, got {residual.dtype} {tuple(residual.shape)}"
         )
 
 

@@ -41,6 +41,7 @@ import fuser.kernels.linear_normed  # noqa: F401  (registers torch.ops.fuser.lin
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum, whose sums the refinement leaves)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_equal
+from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
@@ -82,7 +83,10 @@ class RmsNormConfig:
                    next value) and the norm in one kernel, and in the backward the residual stream's gradient added
                    to the norm's input gradient by the norm's own kernel (:func:`add_residuals_into_norms`). The
                    norm reads the sum before its rounding, and the gradients are added in fp32 and rounded once: as
-                   close to fp32 as the separate add, or closer. LoRA sums added to the residual are lora_sum's.
+                   close to fp32 as the separate add, or closer. Under autocast with fp32 weights (a trainer's
+                   ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the
+                   op takes those too, and its step is the step without it, bit for bit (fp32 sums either way). LoRA
+                   sums added to the residual are lora_sum's.
     """
 
     residual_add: bool = True
@@ -393,11 +397,17 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
     metas = [tensor_meta(v) for v in (a, b, add)]
     if None in metas or not all(isinstance(v, torch.fx.Node) for v in (a, b)):
         raise Decline(f"`{add.name}` adds a value that is not a tensor of the graph")
-    if {t.dtype for t in metas} != {metas[2].dtype} or metas[2].dtype not in FLOAT_DTYPES:
+    dtypes, out = (metas[0].dtype, metas[1].dtype), metas[2].dtype
+    # two tensors of one dtype; or, under autocast with fp32 weights, a half-precision projection added into the fp32
+    # residual stream (an fp32 sum): the op takes the fp32 one as x, whose dtype its sum keeps
+    promoted = out == torch.float32 and sorted(d == out for d in dtypes) == [False, True]
+    if out not in FLOAT_DTYPES or not (dtypes == (out, out) or (promoted and set(dtypes) - {out} <= set(HALF_DTYPES))):
         raise Decline(
-            f"`{add.name}` adds {metas[0].dtype} and {metas[1].dtype} into {metas[2].dtype}: not two tensors of one "
-            "fp16/bf16/fp32 dtype"
+            f"`{add.name}` adds {dtypes[0]} and {dtypes[1]} into {out}: not two tensors of one fp16/bf16/fp32 dtype, "
+            "nor an fp32 and a half-precision one summed in fp32"
         )
+    if dtypes[1] == out and dtypes[0] != out:
+        a, b = b, a
     if not all(_same_shape(t.shape, metas[2].shape) for t in metas[:2]):
         raise Decline(
             f"`{add.name}` broadcasts: {tuple(metas[0].shape)} + {tuple(metas[1].shape)} (the op adds tensors of one "
@@ -438,13 +448,14 @@ def _same_shape(a: tuple, b: tuple) -> bool:
 def add_residuals_into_norms(graph: torch.fx.Graph, config: FuserConfig) -> int:
     """``y, rstd = rms_norm(a + b, …)`` → ``y, rstd, h = add_rms_norm(a, b, …)`` (``RmsNormConfig.residual_add``),
     where the add (``operator.add``, ``torch.add`` or ``Tensor.add``, no alpha) sums two tensors of one fp16/bf16/
-    fp32 dtype and one shape, and this norm is the only one that reads it: its other readers (the residual stream)
-    read ``h``, the same sum rounded once as the add rounds it. The op normalises the sum before that rounding, as
-    Inductor computes an add fused with a norm, and its backward adds ``h``'s own gradient to the norm's input
-    gradient in fp32 with one rounding (``fuser/kernels/rms_norm.py``), so that a decoder layer's residual add costs
-    no kernel of its own either way. Covers the norms of ``rms_norm`` and ``rms_norm_linear`` alike
-    (``linear_normed``'s rebuild then reads ``h``); a norm given an fp32 ``x_wide``, or whose add sums a LoRA sum
-    (lora_sum's refinements take those), is left as it is. Returns how many norms; a declined one is logged at
+    fp32 dtype and one shape (or, under autocast with fp32 weights, an fp32 and a half-precision one into an fp32
+    sum, which the op computes as eager does), and this norm is the only one that reads it: its other readers (the
+    residual stream) read ``h``, the same sum rounded once as the add rounds it. The op normalises the sum before
+    that rounding, as Inductor computes an add fused with a norm, and its backward adds ``h``'s own gradient to the
+    norm's input gradient in fp32 with one rounding (``fuser/kernels/rms_norm.py``), so that a decoder layer's
+    residual add costs no kernel of its own either way. Covers the norms of ``rms_norm`` and ``rms_norm_linear``
+    alike (``linear_normed``'s rebuild then reads ``h``); a norm given an fp32 ``x_wide``, or whose add sums a LoRA
+    sum (lora_sum's refinements take those), is left as it is. Returns how many norms; a declined one is logged at
     debug level with the reason."""
     if not config.rms_norm.residual_add:
         return 0

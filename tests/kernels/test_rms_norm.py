@@ -735,3 +735,63 @@ def test_opcheck_add_rms_norm_of_one_dtype(gen, reference_path):
     x, residual, weight, _, _ = _add_norm_inputs((3, 5, 65), torch.float32, gen)
     args = (x.requires_grad_(), residual.requires_grad_(), weight.requires_grad_(), 1e-6, 0.0, None, None)
     torch.library.opcheck(torch.ops.fuser.add_rms_norm.default, args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# add_rms_norm with an fp32 x and a half-precision residual: autocast's bf16 projection added into the fp32 stream
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "residual_dtype, path, device",
+    [
+        (torch.bfloat16, "reference", "cpu"),
+        (torch.float16, "reference", "cpu"),
+        pytest.param(torch.float16, "triton", "cpu", marks=interpreter),
+        pytest.param(torch.bfloat16, "triton", "cuda", marks=pytest.mark.gpu),
+    ],
+    ids=["bf16", "fp16", "fp16_triton_interpreter", "bf16_cuda"],
+)
+def test_add_rms_norm_of_an_fp32_stream_and_a_half_residual(residual_dtype, path, device, gen, triton_on_cpu):
+    """h is eager's fp32 sum ``x + residual.float()`` bit for bit; y and every gradient match fp64 autograd of the add
+    and Llama's norm within fp32's tolerance; the residual's gradient is x's (fp32) rounded once to the residual's
+    dtype, as autograd's add with type promotion hands it back. The interpreter runs fp16 only (its bf16 is not
+    trusted); the GPU runs bf16."""
+    triton_on_cpu(path == "triton" and device == "cpu")
+    shape = (3, 7, 65) if device == "cpu" else (4, 1024, 2048)
+    x, weight, _ = make_inputs(shape, torch.float32, gen, True, device)
+    residual = randn(shape, gen, residual_dtype, device, scale=0.5)
+    probe_y, probe_h = randn(shape, gen, device=device).double(), randn(shape, gen, device=device).double()
+    for t in (x, residual, weight):
+        t.requires_grad_()
+    y, h = _add_norm_autograd(x, residual, weight, probe_y, probe_h)
+    assert torch.equal(h, x.detach() + residual.detach().float())
+    assert x.grad.dtype == torch.float32 and residual.grad.dtype == residual_dtype
+    assert torch.equal(residual.grad, x.grad.to(residual_dtype)), "the residual's gradient is x's, rounded once"
+
+    x64, r64, w64 = (fp64(t).requires_grad_() for t in (x, residual, weight))
+    h64 = x64 + r64
+    y64 = w64 * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    ((h64 * probe_h).sum() + (y64 * probe_y).sum()).backward()
+    tol = TOLERANCE[torch.float32]
+    scale = dx_scale(probe_y, h64, weight, 1e-6, 0.0) + probe_h.norm()
+    assert_close("y", y, y64, tol)
+    assert_close("x.grad", x.grad, x64.grad, tol, scale=scale)
+    assert_close("residual.grad", residual.grad.double(), r64.grad, TOLERANCE[residual_dtype], scale=scale)
+    assert_close("weight.grad", weight.grad, w64.grad, tol)
+
+
+def test_opcheck_add_rms_norm_of_an_fp32_stream_and_a_half_residual(gen, reference_path):
+    x, weight, _ = make_inputs((3, 5, 65), torch.float32, gen, True)
+    residual = randn((3, 5, 65), gen, torch.bfloat16)
+    args = (x.requires_grad_(), residual.requires_grad_(), weight.requires_grad_(), 1e-6, 0.0, None, None)
+    torch.library.opcheck(torch.ops.fuser.add_rms_norm.default, args)
+
+
+@pytest.mark.parametrize("x_dtype, residual_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_add_rms_norm_refuses_a_residual_its_sum_would_round(x_dtype, residual_dtype, gen, reference_path):
+    """A residual of another half-precision dtype than x's: x's dtype cannot hold their sum as eager computes it
+    (PyTorch promotes bf16 + fp16 to fp32), so the op refuses it and says what it takes."""
+    x, weight, _ = make_inputs((2, 65), x_dtype, gen, True)
+    with pytest.raises(ValueError, match="in x's dtype .*, fp32 or a narrower float dtype"):
+        torch.ops.fuser.add_rms_norm(x, randn((2, 65), gen, residual_dtype), weight, 1e-6, 0.0, None, None)

@@ -16,6 +16,7 @@ import torch
 
 import fuser
 from fuser.dynamo_backend import FuserBackend
+from fuser.engine.canonical import tensor_meta
 from fuser.engine.rewrite import subgraph_modules
 from tests.models.tiny import N_LAYERS, batch, build, checkpointed, expected_norms, from_config, grads, rel
 
@@ -103,6 +104,36 @@ def test_bf16_step_as_close_to_fp32_as_without_it(arch, rewritten):
         assert err <= grads_off[name] + U_BF16, f"{name}: {err:.2e} on, {grads_off[name]:.2e} off"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autocast_step_with_fp32_weights_equals_the_step_without_it(arch, rewritten):
+    """fp32 weights under bf16 autocast (a trainer's ``bf16=True`` on an fp32 model): each residual add sums the fp32
+    stream and a bf16 projection into fp32. The op computes that sum in fp32 as eager's add does, the norm of it,
+    and in the backward the stream's gradient plus the norm's in fp32, handing the projection its bf16 rounding, as
+    autograd's add does: so the step is the step without it, bit for bit (loss and every gradient)."""
+    model = build(arch).train()
+
+    def autocast_step(cfg):
+        copied = copy.deepcopy(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fuser.optimize(copied, cfg)(**batch())
+        out.loss.backward()
+        return out.loss.detach(), grads(copied)
+
+    results = {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        rewritten.clear()
+        results[on] = autocast_step(config(on))
+        fused = calls(rewritten, OPS.add_rms_norm.default)
+        assert len(fused) == (residual_norms() if on else 0)
+        assert all(tensor_meta(op.args[0]).dtype == torch.float32 for op in fused)
+    (loss_on, grads_on), (loss_off, grads_off) = results[True], results[False]
+    assert torch.equal(loss_on, loss_off), (loss_on, loss_off)
+    assert grads_on.keys() == grads_off.keys() and len(grads_on) == len(list(model.parameters()))
+    for name, g in grads_on.items():
+        assert torch.equal(g, grads_off[name]), f"{name}: {rel(g, grads_off[name]):.2e}"
+
+
 def test_checkpointed_layers_absorb_the_adds_inside_them(rewritten):
     """Gradient checkpointing: each layer is a nested graph whose input is a placeholder there, so only the add before
     its post-attention norm is inside it with its norm (one per layer); the step still equals eager's."""
@@ -169,7 +200,9 @@ class Residual(torch.nn.Module):
         elif self.case == "broadcast":
             h = a + self.bias  # [hidden] over [batch, tokens, hidden]
         elif self.case == "dtypes":
-            h = a + b.float()  # bf16 + fp32: an fp32 sum
+            h = a + b.float()  # bf16 + fp32: an fp32 sum, as autocast's bf16 projection into an fp32 stream
+        elif self.case == "mixed halves":
+            h = a + b.half()  # bf16 + fp16: PyTorch promotes to fp32, a dtype neither operand has
         elif self.case == "in place":
             h = a + b
             h.mul_(2)  # the norm reads the sum modified: an op in the add's place would read it as added
@@ -196,11 +229,19 @@ def test_a_plain_add_joins_the_norm(case, rewritten):
     assert run_toy(case, torch.float32, rewritten) == (1, 0)
 
 
+def test_a_half_value_added_into_an_fp32_one_joins_the_norm(rewritten):
+    """bf16 + fp32 into an fp32 sum (autocast's projection into the fp32 residual stream): the op takes the fp32
+    operand as x, so its sum is fp32, eager's value bit for bit (run_toy checks it)."""
+    assert run_toy("dtypes", torch.bfloat16, rewritten) == (1, 0)
+    (op,) = calls(rewritten, OPS.add_rms_norm.default)
+    assert [tensor_meta(a).dtype for a in op.args[:2]] == [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.parametrize(
     "case, dtype, reason",
     [
         ("broadcast", torch.float32, "broadcasts"),
-        ("dtypes", torch.bfloat16, "not two tensors of one fp16/bf16/fp32 dtype"),
+        ("mixed halves", torch.bfloat16, "nor an fp32 and a half-precision one summed in fp32"),
         ("two norms", torch.float32, "feeds 2 norms"),
         ("alpha", torch.float32, "is not an add"),
         ("in place", torch.float32, "before the norm does"),
