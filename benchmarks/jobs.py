@@ -188,12 +188,18 @@ class Job:
     seq: int
     checkpointing: bool = False
     about: str = ""
+    # fp32 weights (and AdamW states) with the forward under bf16 autocast: what a trainer's ``bf16=True`` runs on a
+    # model loaded in fp32; the run's dtype is then fp32 unless --dtype says otherwise
+    autocast: bool = False
 
 
 JOBS = {
     "llama3-8b-lora": Job("llama3-8b", "lora", 4, 2048, about="Llama-3-8B, LoRA r16 on all linear layers"),
     "qwen3-8b-lora": Job("qwen3-8b", "lora", 4, 2048, about="Qwen3-8B, LoRA r16 on all linear layers"),
     "llama32-1b-full": Job("llama32-1b", "full", 4, 2048, about="Llama-3.2-1B, full fine-tune"),
+    "llama32-1b-full-amp": Job(
+        "llama32-1b", "full", 4, 2048, autocast=True, about="Llama-3.2-1B, full fine-tune, fp32 weights, bf16 autocast"
+    ),
     "qwen25-7b-lora": Job("qwen25-7b", "lora", 4, 2048, about="Qwen2.5-7B, LoRA r16 on all linear layers"),
     "gemma3-4b-lora": Job("gemma3-4b", "lora", 4, 2048, about="Gemma-3-4B (text), LoRA r16 on all linear layers"),
     "llama3-8b-qlora": Job("llama3-8b", "qlora", 4, 2048, about="Llama-3-8B, QLoRA (bitsandbytes NF4 base) r16"),

@@ -83,7 +83,9 @@ def results_table(job_name: str, results: dict[str, dict[str, Any]], command: st
     setup = (
         f"{job.about}: random weights with the public checkpoint's shapes"
         + (f" ({layers} layers)" if layers is not None else "")
-        + f", batch {batch}×{seq}, {any_result.get('dtype', 'bf16')}, sdpa, AdamW(fused), lr {TRAIN_STEP_LR:g}; "
+        + f", batch {batch}×{seq}, {any_result.get('dtype', 'bf16')}"
+        + (f" weights under {any_result['autocast']} autocast" if any_result.get("autocast") else "")
+        + f", sdpa, AdamW(fused), lr {TRAIN_STEP_LR:g}; "
         f"median of {steps} timed steps after {warmup} warm-up; peak = max_memory_allocated over the run; "
         f"warm-up = wall time of the warm-up steps, compilation included"
         + (" (tiny smoke-test config)" if any_result.get("tiny") else "")

@@ -30,7 +30,8 @@ from train_step_report import versions
 def new_result(args: argparse.Namespace) -> dict[str, Any]:
     """The record of one run: what ran where, filled in by :func:`run_mode` as it goes."""
     job, device = JOBS[args.job], torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    default = torch.bfloat16 if device.type == "cuda" and not job.autocast else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default
     return dict(
         job=args.job,
         mode=args.mode,
@@ -39,6 +40,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         device=device_name(device),
         versions=versions(),
         dtype=str(dtype).removeprefix("torch."),
+        autocast="bfloat16" if job.autocast else None,
         batch=args.batch or (TINY_BATCH if args.tiny else job.batch),
         seq=args.seq or (TINY_SEQ if args.tiny else job.seq),
         tiny=args.tiny,
@@ -101,7 +103,8 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
     extra = {"attention_mask": torch.ones_like(batches[0])} if args.attention_mask else {}
 
     def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids, **extra).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.autocast):
+            loss = model(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -128,6 +131,11 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
         backend = fuser.backend(fuser_config(args))
         result["fuser_counts"] = backend.counts
         result["fuser_post_grad"] = dict(backend.post_grad_counts)
+        refined: dict[str, int] = {}
+        for one in backend.results:  # the fused ops a pattern's refinement rebuilt (rms_norm: the adds it absorbed)
+            for name, n in one.refined.items():
+                refined[name] = refined.get(name, 0) + n
+        result["fuser_refined"] = refined
     if mode in ("compile", "fuser"):
         from torch._dynamo.utils import counters
 

@@ -170,3 +170,22 @@ def test_fuser_options_by_name_reach_the_config():
     assert config.inner_compiler == "aot_eager"
     with pytest.raises(ValueError, match="unknown option"):
         model.fuser_config(argparse.Namespace(**{**vars(args), "fuser_option": ["upcast_linear.tritn=false"]}))
+
+
+def test_tiny_autocast_job_keeps_fp32_weights_and_runs_its_forward_under_bf16_autocast(train_step, tmp_path):
+    """The full fine-tuning job with fp32 weights under bf16 autocast (a trainer's ``bf16=True`` on an fp32 model):
+    the record says so, the first loss is what eager computes under autocast, and fuser takes the residual adds of
+    the fp32 stream and the bf16 projections into its norms."""
+    out = {}
+    for mode, extra in (("eager", ()), ("fuser", ("--fuser-inner-compiler", "aot_eager"))):
+        path = tmp_path / f"{mode}.json"
+        argv = ["--job", "llama32-1b-full-amp", "--mode", mode, "--tiny", "--device", "cpu", "--steps", "1"]
+        assert train_step.main([*argv, "--warmup", "1", *extra, "--json", str(path)]) == 0
+        out[mode] = json.loads(path.read_text())
+    for result in out.values():
+        assert result["status"] == "ok" and result["dtype"] == "float32" and result["autocast"] == "bfloat16"
+        assert result["trainable_params"] == result["params"]
+    assert abs(out["fuser"]["first_loss"] - out["eager"]["first_loss"]) <= 1e-3 * abs(out["eager"]["first_loss"])
+    # every norm but the first layer's input norm reads a residual add of the fp32 stream and a bf16 projection
+    layers = out["fuser"]["layers"]
+    assert out["fuser"]["fuser_refined"].get("rms_norm") == 2 * layers, out["fuser"]["fuser_refined"]
