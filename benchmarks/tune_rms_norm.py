@@ -58,8 +58,9 @@ def tune_shape(hidden, rows, sm_count):
 
         def launch(i, block_m=block_m, warps=warps, load=load, n_programs=n_programs, partial=partial, tiles=tiles):
             K.rms_norm_bwd_kernel[(n_programs,)](
-                dys[i], xs[i], w, dxs[i], partial, rstd, hidden, hidden, hidden, rows, hidden, n_programs, tiles,
-                EPS, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True, NORM_CAST=2, LOAD_RSTD=load, BLOCK_M=block_m,
+                dys[i], xs[i], w, dxs[i], partial, rstd, dxs[i], dxs[i], dys[i], dys[i], hidden, hidden, hidden,
+                hidden, hidden, rows, hidden, n_programs, tiles, EPS, 0.0, HAS_WEIGHT=True, COMPUTE_DW=True,
+                NORM_CAST=2, LOAD_RSTD=load, HAS_DRES=False, STORE_DX2=False, N_DY=1, BLOCK_M=block_m,
                 BLOCK_N=block_n, num_warps=warps,
             )  # fmt: skip
             partial.sum(0).to(torch.bfloat16)

@@ -67,8 +67,9 @@ class FuserConfig:
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
                            rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
                            gate/up sums are formed in row slices (off: measured slower, and not enough memory saved).
-    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True)``: a residual add before a fused norm
-                           joins the norm's op, forward and backward.
+    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True, gradient_sums=False)``: a residual add
+                           before a fused norm joins the norm's op, forward and backward; the norm's backward sums
+                           its projections' input gradients itself (off until measured on a GPU).
     rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
                            adapters are taken too.
 

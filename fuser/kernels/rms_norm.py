@@ -18,6 +18,7 @@ partials are summed by ``torch.sum`` afterwards (no atomics).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,11 @@ if HAS_TRITON:
         rstd_ptr,
         dres_ptr,
         dx2_ptr,
+        dy2_ptr,
+        dy3_ptr,
         dy_row_stride,
+        dy2_row_stride,
+        dy3_row_stride,
         x_row_stride,
         dx_row_stride,
         n_rows,
@@ -169,6 +174,7 @@ if HAS_TRITON:
         LOAD_RSTD: tl.constexpr,
         HAS_DRES: tl.constexpr,
         STORE_DX2: tl.constexpr,
+        N_DY: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -184,6 +190,15 @@ if HAS_TRITON:
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # the norm's output gradient as the sum of up to three terms (the projections it feeds), added in fp32
+            if N_DY >= 2:
+                dy += tl.load(dy2_ptr + rows[:, None] * dy2_row_stride + cols[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
+            if N_DY >= 3:
+                dy += tl.load(dy3_ptr + rows[:, None] * dy3_row_stride + cols[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
             if LOAD_RSTD:
                 rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)  # [BLOCK_M]
             else:  # recompute rstd: the row is in registers already
@@ -268,12 +283,15 @@ def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out) -> None:
         )
 
 
-def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out) -> torch.Tensor | None:
-    """The backward kernel into ``dx`` (and ``dx2_out`` where given); returns dweight (None where not computed)."""
+def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more=()) -> torch.Tensor | None:
+    """The backward kernel into ``dx`` (and ``dx2_out`` where given); returns dweight (None where not computed).
+    ``dy_more``: up to two more terms of the output gradient (dy's shape), summed with dy in fp32."""
     n_cols = x.shape[-1]
     x2 = tt.as_rows(x)
     weight = norm.weight.contiguous() if norm.weight is not None else None
     dy2 = tt.as_rows(dy)
+    more = [tt.as_rows(t) for t in dy_more]
+    more_or_dy = [*more, dy2, dy2][:2]
     dx2 = tt.out_rows(dx)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
@@ -291,7 +309,9 @@ def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out
             rstd if rstd is not None else dw_partial,
             dres.contiguous() if dres is not None else dx2,
             dx2_out if dx2_out is not None else dx2,
+            *more_or_dy,
             dy2.stride(0),
+            *(t.stride(0) for t in more_or_dy),
             x2.stride(0),
             dx2.stride(0),
             n_rows,
@@ -306,6 +326,7 @@ def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out
             LOAD_RSTD=rstd is not None,
             HAS_DRES=dres is not None,
             STORE_DX2=dx2_out is not None,
+            N_DY=1 + len(more),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -350,6 +371,15 @@ def rms_norm_forward(
     return out.copy_(y) if out is not None else y.contiguous()
 
 
+def _check_dy_more(dy: torch.Tensor, dy_more: Sequence[torch.Tensor]) -> None:
+    if len(dy_more) > 2 or any(t.shape != dy.shape or t.dtype != dy.dtype for t in dy_more):
+        got = [(t.dtype, tuple(t.shape)) for t in dy_more]
+        raise ValueError(
+            f"fuser: rms_norm's backward takes at most two more output-gradient terms of dy's dtype {dy.dtype} and "
+            f"shape {tuple(dy.shape)}, got {got}"
+        )
+
+
 def rms_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -362,14 +392,22 @@ def rms_norm_backward(
     impl: str = "auto",
     dx_out: torch.Tensor | None = None,
     dx2_out: torch.Tensor | None = None,
+    dy_more: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx in ``dx_dtype``, default x's; dweight or None). ``rstd`` is the forward's (recomputed when ``None``);
     ``dres`` (x's shape): a gradient added to dx in fp32 (add_rms_norm's sum's); ``dx2_out`` (contiguous, x's
     shape) receives dx a second time, in its own dtype; ``dx_out`` (x's shape) receives dx (tests pre-fill it with
-    NaN). ``impl`` as for :func:`rms_norm_forward`."""
+    NaN); ``dy_more``: up to two more terms of the output gradient, dy's shape and dtype, summed with dy in fp32
+    (the input gradients of the projections the norm feeds). ``impl`` as for :func:`rms_norm_forward`."""
+    _check_dy_more(dy, dy_more)
     if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
         dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
-        return dx, _launch_backward(dy, x, norm, compute_dweight, rstd, dres, dx, dx2_out)
+        return dx, _launch_backward(dy, x, norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more)
+    if dy_more:
+        total = dy.to(torch.float64 if dy.dtype == torch.float64 else torch.float32)
+        for term in dy_more:
+            total = total + term.to(total.dtype)
+        dy = total
     # add_rms_norm's gradient: the sum's own joins the norm's in fp32, and the one value is stored in two dtypes
     summed = dres is not None or dx2_out is not None
     dx, dweight = _reference_backward(dy, x, norm, compute_dweight, rstd, torch.float32 if summed else dx_dtype)
@@ -434,17 +472,29 @@ def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
 @torch.library.custom_op(
     "fuser::rms_norm_backward",
     mutates_args=(),
-    schema=f"(Tensor dy, Tensor x, {_NORM_BACKWARD_SCHEMA}, ScalarType? dx_dtype=None) -> (Tensor, Tensor)",
+    schema=(
+        f"(Tensor dy, Tensor x, {_NORM_BACKWARD_SCHEMA}, ScalarType? dx_dtype=None, Tensor? dy2=None, "
+        "Tensor? dy3=None) -> (Tensor, Tensor)"
+    ),
 )
-def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None):
-    """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor)."""
+def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None,
+                         dy3=None):  # fmt: skip
+    """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor). ``dy2``, ``dy3``: more terms of the output
+    gradient (``RmsNormConfig.gradient_sums``: the projections' input gradients), summed with dy in fp32."""
     norm = Norm(weight, eps, offset, norm_dtype)
-    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd)
+    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd, dy_more=_more(dy2, dy3))
     return dx, tt.or_empty(dw, x)
 
 
+def _more(dy2: torch.Tensor | None, dy3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    if dy2 is None and dy3 is not None:
+        raise ValueError("fuser: rms_norm's backward takes dy3 only with dy2")
+    return tuple(t for t in (dy2, dy3) if t is not None)
+
+
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None):
+def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None, dy3=None):
+    _check_dy_more(dy, _more(dy2, dy3))
     has_dw = weight is not None and compute_dweight
     dx = x.new_empty(x.shape, dtype=dx_dtype or x.dtype)
     return dx, (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
@@ -534,11 +584,12 @@ def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     "fuser::add_rms_norm_backward",
     mutates_args=(),
     schema=(
-        f"(Tensor dy, Tensor? dh, Tensor h, {_NORM_BACKWARD_SCHEMA}, ScalarType residual_dtype)"
-        " -> (Tensor, Tensor, Tensor)"
+        f"(Tensor dy, Tensor? dh, Tensor h, {_NORM_BACKWARD_SCHEMA}, ScalarType residual_dtype, Tensor? dy2=None, "
+        "Tensor? dy3=None) -> (Tensor, Tensor, Tensor)"
     ),
 )
-def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
+def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype,
+                             dy2=None, dy3=None):  # fmt: skip
     """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
     plus ``dh`` (the rounded sum's own gradient, from the residual stream), added in fp32 and rounded once, one
     value in two dtypes. Where ``residual_dtype`` is h's (a residual add of two tensors of one dtype: full
@@ -547,7 +598,15 @@ def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, c
     norm = Norm(weight, eps, offset, norm_dtype)
     dres = _residual_gradient(h, residual_dtype)
     dx, dw = rms_norm_backward(
-        dy, h, norm, compute_dweight, h.dtype, rstd=rstd, dres=dh, dx2_out=dres if dres.numel() else None
+        dy,
+        h,
+        norm,
+        compute_dweight,
+        h.dtype,
+        rstd=rstd,
+        dres=dh,
+        dx2_out=dres if dres.numel() else None,
+        dy_more=_more(dy2, dy3),
     )
     return dx, dres, tt.or_empty(dw, h)
 
@@ -560,7 +619,8 @@ def _residual_gradient(h: torch.Tensor, residual_dtype: torch.dtype) -> torch.Te
 
 
 @add_rms_norm_backward_op.register_fake
-def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype):
+def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype, dy2=None, dy3=None):
+    _check_dy_more(dy, _more(dy2, dy3))
     has_dw = weight is not None and compute_dweight
     dw = weight.new_empty(weight.shape) if has_dw else h.new_empty(0)
     return h.new_empty(h.shape), _residual_gradient(h, residual_dtype), dw

@@ -48,6 +48,7 @@ from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.norm_grad_sums import PASS as GRAD_SUMS_PASS
 from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
@@ -87,9 +88,14 @@ class RmsNormConfig:
                    ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the
                    op takes those too, and its step is the step without it, bit for bit (fp32 sums either way). LoRA
                    sums added to the residual are lora_sum's.
+    gradient_sums: a norm's output gradient that the backward graph forms as a sum of two or three terms (the input
+                   gradients of the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward
+                   kernel as it loads the terms, in fp32: the sum is not written, read back, or rounded first
+                   (:mod:`fuser.patterns.norm_grad_sums`). Off by default until measured on a GPU.
     """
 
     residual_add: bool = True
+    gradient_sums: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm")
@@ -507,8 +513,15 @@ RMS_NORM = Pattern(
     check_rms_norm,
     anchors=frozenset({"rsqrt", "rms_norm"}),
     after_apply=add_residuals_into_norms,
+    post_grad=(GRAD_SUMS_PASS,),
 )
 
 # on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
 # the H200 (benchmarks/results/LOG.md, 2026-12-02 07:04); for LoRA, RmsNormLinearConfig.lora says why it is off
-RMS_NORM_LINEAR = Pattern("rms_norm_linear", VARIANTS, check_rms_norm_linear, after_apply=rebuild_and_add_residuals)
+RMS_NORM_LINEAR = Pattern(
+    "rms_norm_linear",
+    VARIANTS,
+    check_rms_norm_linear,
+    after_apply=rebuild_and_add_residuals,
+    post_grad=(GRAD_SUMS_PASS,),
+)
