@@ -157,9 +157,11 @@ if HAS_TRITON:
         dx2_ptr,
         dy2_ptr,
         dy3_ptr,
+        dy4_ptr,
         dy_row_stride,
         dy2_row_stride,
         dy3_row_stride,
+        dy4_row_stride,
         x_row_stride,
         dx_row_stride,
         n_rows,
@@ -190,13 +192,17 @@ if HAS_TRITON:
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            # the norm's output gradient as the sum of up to three terms (the projections it feeds), added in fp32
+            # the norm's output gradient as the sum of up to four terms (the projections it feeds), added in fp32
             if N_DY >= 2:
                 dy += tl.load(dy2_ptr + rows[:, None] * dy2_row_stride + cols[None, :], mask=mask, other=0.0).to(
                     tl.float32
                 )
             if N_DY >= 3:
                 dy += tl.load(dy3_ptr + rows[:, None] * dy3_row_stride + cols[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
+            if N_DY >= 4:
+                dy += tl.load(dy4_ptr + rows[:, None] * dy4_row_stride + cols[None, :], mask=mask, other=0.0).to(
                     tl.float32
                 )
             if LOAD_RSTD:
@@ -285,13 +291,13 @@ def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out) -> None:
 
 def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more=()) -> torch.Tensor | None:
     """The backward kernel into ``dx`` (and ``dx2_out`` where given); returns dweight (None where not computed).
-    ``dy_more``: up to two more terms of the output gradient (dy's shape), summed with dy in fp32."""
+    ``dy_more``: up to three more terms of the output gradient (dy's shape), summed with dy in fp32."""
     n_cols = x.shape[-1]
     x2 = tt.as_rows(x)
     weight = norm.weight.contiguous() if norm.weight is not None else None
     dy2 = tt.as_rows(dy)
     more = [tt.as_rows(t) for t in dy_more]
-    more_or_dy = [*more, dy2, dy2][:2]
+    more_or_dy = [*more, dy2, dy2, dy2][:3]
     dx2 = tt.out_rows(dx)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
@@ -372,10 +378,10 @@ def rms_norm_forward(
 
 
 def _check_dy_more(dy: torch.Tensor, dy_more: Sequence[torch.Tensor]) -> None:
-    if len(dy_more) > 2 or any(t.shape != dy.shape or t.dtype != dy.dtype for t in dy_more):
+    if len(dy_more) > 3 or any(t.shape != dy.shape or t.dtype != dy.dtype for t in dy_more):
         got = [(t.dtype, tuple(t.shape)) for t in dy_more]
         raise ValueError(
-            f"fuser: rms_norm's backward takes at most two more output-gradient terms of dy's dtype {dy.dtype} and "
+            f"fuser: rms_norm's backward takes at most three more output-gradient terms of dy's dtype {dy.dtype} and "
             f"shape {tuple(dy.shape)}, got {got}"
         )
 
@@ -397,7 +403,7 @@ def rms_norm_backward(
     """(dx in ``dx_dtype``, default x's; dweight or None). ``rstd`` is the forward's (recomputed when ``None``);
     ``dres`` (x's shape): a gradient added to dx in fp32 (add_rms_norm's sum's); ``dx2_out`` (contiguous, x's
     shape) receives dx a second time, in its own dtype; ``dx_out`` (x's shape) receives dx (tests pre-fill it with
-    NaN); ``dy_more``: up to two more terms of the output gradient, dy's shape and dtype, summed with dy in fp32
+    NaN); ``dy_more``: up to three more terms of the output gradient, dy's shape and dtype, summed with dy in fp32
     (the input gradients of the projections the norm feeds). ``impl`` as for :func:`rms_norm_forward`."""
     _check_dy_more(dy, dy_more)
     if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
@@ -474,27 +480,31 @@ def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
     mutates_args=(),
     schema=(
         f"(Tensor dy, Tensor x, {_NORM_BACKWARD_SCHEMA}, ScalarType? dx_dtype=None, Tensor? dy2=None, "
-        "Tensor? dy3=None) -> (Tensor, Tensor)"
+        "Tensor? dy3=None, Tensor? dy4=None) -> (Tensor, Tensor)"
     ),
 )
 def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None,
-                         dy3=None):  # fmt: skip
-    """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor). ``dy2``, ``dy3``: more terms of the output
-    gradient (``RmsNormConfig.gradient_sums``: the projections' input gradients), summed with dy in fp32."""
+                         dy3=None, dy4=None):  # fmt: skip
+    """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor). ``dy2``, ``dy3``, ``dy4``: more terms of the
+    output gradient (``RmsNormConfig.gradient_sums``: the projections' input gradients), summed with dy in fp32."""
     norm = Norm(weight, eps, offset, norm_dtype)
-    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd, dy_more=_more(dy2, dy3))
+    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd, dy_more=_more(dy2, dy3, dy4))
     return dx, tt.or_empty(dw, x)
 
 
-def _more(dy2: torch.Tensor | None, dy3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    if dy2 is None and dy3 is not None:
-        raise ValueError("fuser: rms_norm's backward takes dy3 only with dy2")
-    return tuple(t for t in (dy2, dy3) if t is not None)
+def _more(*terms: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The terms given, in order; a term after one left out is refused (dy3 needs dy2, dy4 dy3)."""
+    given = [t is not None for t in terms]
+    if given != sorted(given, reverse=True):
+        raise ValueError(
+            "fuser: rms_norm's backward takes its output-gradient terms in order: dy3 only with dy2, dy4 only with dy3"
+        )
+    return tuple(t for t in terms if t is not None)
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None, dy3=None):
-    _check_dy_more(dy, _more(dy2, dy3))
+def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None, dy3=None, dy4=None):
+    _check_dy_more(dy, _more(dy2, dy3, dy4))
     has_dw = weight is not None and compute_dweight
     dx = x.new_empty(x.shape, dtype=dx_dtype or x.dtype)
     return dx, (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
@@ -585,11 +595,11 @@ def _(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     mutates_args=(),
     schema=(
         f"(Tensor dy, Tensor? dh, Tensor h, {_NORM_BACKWARD_SCHEMA}, ScalarType residual_dtype, Tensor? dy2=None, "
-        "Tensor? dy3=None) -> (Tensor, Tensor, Tensor)"
+        "Tensor? dy3=None, Tensor? dy4=None) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype,
-                             dy2=None, dy3=None):  # fmt: skip
+                             dy2=None, dy3=None, dy4=None):  # fmt: skip
     """(dx in h's dtype, dresidual in ``residual_dtype``, dweight or an empty tensor): the norm's input gradient
     plus ``dh`` (the rounded sum's own gradient, from the residual stream), added in fp32 and rounded once, one
     value in two dtypes. Where ``residual_dtype`` is h's (a residual add of two tensors of one dtype: full
@@ -606,7 +616,7 @@ def add_rms_norm_backward_op(dy, dh, h, weight, rstd, eps, offset, norm_dtype, c
         rstd=rstd,
         dres=dh,
         dx2_out=dres if dres.numel() else None,
-        dy_more=_more(dy2, dy3),
+        dy_more=_more(dy2, dy3, dy4),
     )
     return dx, dres, tt.or_empty(dw, h)
 
@@ -619,8 +629,9 @@ def _residual_gradient(h: torch.Tensor, residual_dtype: torch.dtype) -> torch.Te
 
 
 @add_rms_norm_backward_op.register_fake
-def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype, dy2=None, dy3=None):
-    _check_dy_more(dy, _more(dy2, dy3))
+def _(dy, dh, h, weight, rstd, eps, offset, norm_dtype, compute_dweight, residual_dtype, dy2=None, dy3=None,
+      dy4=None):  # fmt: skip
+    _check_dy_more(dy, _more(dy2, dy3, dy4))
     has_dw = weight is not None and compute_dweight
     dw = weight.new_empty(weight.shape) if has_dw else h.new_empty(0)
     return h.new_empty(h.shape), _residual_gradient(h, residual_dtype), dw

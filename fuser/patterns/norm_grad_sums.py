@@ -8,8 +8,8 @@ backward graph before its own backward reads them:
     s = s + dv @ Wv
     dx, dw = fuser::rms_norm_backward(s, x, …)          (or add_rms_norm_backward)
 
-With ``RmsNormConfig.gradient_sums`` the norm's backward takes the terms instead (``dy2``, ``dy3``: at most three
-terms in all) and adds them in fp32 as it loads them: the sum is never written, read back, or rounded to the
+With ``RmsNormConfig.gradient_sums`` the norm's backward takes the terms instead (``dy2`` to ``dy4``: at most
+four terms in all) and adds them in fp32 as it loads them: the sum is never written, read back, or rounded to the
 gradient's dtype (bf16 under full fine-tuning) before the norm's backward uses it. A sum is taken only when
 
 - the add chain's only reader is the norm's backward, as its ``dy``, and each add in it adds two tensors of dy's
@@ -38,7 +38,7 @@ log = logging.getLogger("fuser")
 
 _BACKWARDS = (torch.ops.fuser.rms_norm_backward.default, torch.ops.fuser.add_rms_norm_backward.default)
 _ADD = torch.ops.aten.add.Tensor
-MAX_TERMS = 3  # dy, dy2, dy3
+MAX_TERMS = 4  # dy, dy2, dy3, dy4
 
 
 def _val(node) -> torch.Tensor | None:
@@ -98,7 +98,7 @@ def plan_norm_grad_sums(graph: torch.fx.Graph) -> list:
         if len(dy.users) != 1 or list(node.args).count(dy) + list(node.kwargs.values()).count(dy) != 1:
             log.debug("fuser: %s keeps its gradient sum: `%s` has another reader", node.name, dy.name)
             continue
-        if any(node.kwargs.get(k) is not None for k in ("dy2", "dy3")):
+        if any(node.kwargs.get(k) is not None for k in ("dy2", "dy3", "dy4")):
             continue
         terms, adds = _terms(dy, like)
         first = min(order[a] for a in adds)
@@ -114,7 +114,7 @@ def plan_norm_grad_sums(graph: torch.fx.Graph) -> list:
 def apply_norm_grad_sums(graph: torch.fx.Graph, plan: list) -> int:
     for node, terms, adds in plan:
         node.args = (terms[0], *node.args[1:])
-        node.kwargs = {**node.kwargs, **dict(zip(("dy2", "dy3"), terms[1:], strict=False))}
+        node.kwargs = {**node.kwargs, **dict(zip(("dy2", "dy3", "dy4"), terms[1:], strict=False))}
         for add in adds:  # the chain's head first: each add is then unread
             graph.erase_node(add)
     if plan:

@@ -88,7 +88,7 @@ class RmsNormConfig:
                    ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the
                    op takes those too, and its step is the step without it, bit for bit (fp32 sums either way). LoRA
                    sums added to the residual are lora_sum's.
-    gradient_sums: a norm's output gradient that the backward graph forms as a sum of two or three terms (the input
+    gradient_sums: a norm's output gradient that the backward graph forms as a sum of two to four terms (the input
                    gradients of the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward
                    kernel as it loads the terms, in fp32: the sum is not written, read back, or rounded first
                    (:mod:`fuser.patterns.norm_grad_sums`). Off by default until measured on a GPU.

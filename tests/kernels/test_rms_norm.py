@@ -798,11 +798,11 @@ def test_add_rms_norm_refuses_a_residual_its_sum_would_round(x_dtype, residual_d
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The output gradient as a sum of terms (RmsNormConfig.gradient_sums): dy + dy2 (+ dy3) summed in the kernel
+# The output gradient as a sum of terms (RmsNormConfig.gradient_sums): dy + dy2 (+ dy3, dy4) summed in the kernel
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_terms", [2, 3])
+@pytest.mark.parametrize("n_terms", [2, 3, 4])
 @pytest.mark.parametrize(
     "dtype, path, device",
     [
@@ -815,10 +815,10 @@ def test_add_rms_norm_refuses_a_residual_its_sum_would_round(x_dtype, residual_d
     ids=["fp32", "bf16", "fp32_triton_interpreter", "fp16_triton_interpreter", "bf16_cuda"],
 )
 def test_backward_of_a_sum_of_terms_matches_fp64_of_the_exact_sum(n_terms, dtype, path, device, gen, triton_on_cpu):
-    """dx and dweight of the norm whose output gradient is dy + dy2 (+ dy3): within the dtype's tolerance of fp64's at
-    the exact sum (the terms summed in fp32, never rounded to their dtype), into NaN-filled outputs; strided terms (a
-    view of every other row) and a saved rstd. In fp32 it is bit for bit the backward of the sum added in fp32 first,
-    left to right, as Inductor's add kernel computes it."""
+    """dx and dweight of the norm whose output gradient is dy + dy2 (+ dy3, dy4): within the dtype's tolerance of
+    fp64's at the exact sum (the terms summed in fp32, never rounded to their dtype), into NaN-filled outputs; strided
+    terms (a view of every other row) and a saved rstd. In fp32 it is bit for bit the backward of the sum added in
+    fp32 first, left to right, as Inductor's add kernel computes it."""
     triton_on_cpu(path == "triton" and device == "cpu")
     shape = (3, 37, 65) if device == "cpu" else (8, 1024, 2048)
     x, weight, dy = make_inputs(shape, dtype, gen, True, device)
@@ -840,24 +840,26 @@ def test_backward_of_a_sum_of_terms_matches_fp64_of_the_exact_sum(n_terms, dtype
 
 
 def test_ops_take_the_terms_and_their_fakes_check_them(gen, reference_path):
-    """The two backward ops with dy2 (and dy3): the terms' sum's gradients (reference path, fp32, bit for bit against
+    """The two backward ops with dy2 to dy4: the terms' sum's gradients (reference path, fp32, bit for bit against
     the op given the sum); opcheck; a term of another shape or dtype, or dy3 without dy2, is refused with a message."""
     x, residual, weight, dy, dh = _add_norm_inputs((3, 5, 65), torch.float32, gen)
-    dy2, dy3 = randn(x.shape, gen), randn(x.shape, gen)
+    dy2, dy3, dy4 = randn(x.shape, gen), randn(x.shape, gen), randn(x.shape, gen)
     rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
-    got = torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, dy2, dy3)
-    want = torch.ops.fuser.rms_norm_backward(dy + dy2 + dy3, x, weight, rstd, 1e-6, 0.0, None, True)
+    got = torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, dy2, dy3, dy4)
+    want = torch.ops.fuser.rms_norm_backward(dy + dy2 + dy3 + dy4, x, weight, rstd, 1e-6, 0.0, None, True)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     args = (dy, dh, x, weight, rstd, 1e-6, 0.0, None, True, torch.float32)
     got = torch.ops.fuser.add_rms_norm_backward(*args, dy2=dy2)
     want = torch.ops.fuser.add_rms_norm_backward(dy + dy2, *args[1:])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     torch.library.opcheck(torch.ops.fuser.rms_norm_backward.default, (dy, x, weight, rstd, 1e-6, 0.0, None, True),
-                          {"dy2": dy2, "dy3": dy3})  # fmt: skip
+                          {"dy2": dy2, "dy3": dy3, "dy4": dy4})  # fmt: skip
     torch.library.opcheck(torch.ops.fuser.add_rms_norm_backward.default, args, {"dy2": dy2})
-    with pytest.raises(ValueError, match="at most two more output-gradient terms of dy's dtype"):
+    with pytest.raises(ValueError, match="at most three more output-gradient terms of dy's dtype"):
         torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, dy2[..., :64])
-    with pytest.raises(ValueError, match="at most two more output-gradient terms of dy's dtype"):
+    with pytest.raises(ValueError, match="at most three more output-gradient terms of dy's dtype"):
         torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, dy2.double())
     with pytest.raises(ValueError, match="dy3 only with dy2"):
         torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, None, dy3)
+    with pytest.raises(ValueError, match="dy4 only with dy3"):
+        torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 0.0, None, True, None, dy2, None, dy4)
