@@ -17,7 +17,9 @@ from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpoi
 ON = fuser.FuserConfig.from_options({"strict": True, "rms_norm": {"gradient_sums": True}})
 OFF = fuser.FuserConfig(strict=True)
 U_BF16 = 2.0**-8  # bf16's unit roundoff: half an ulp, relative
-ARCHS = ["llama", "qwen3", "gemma"]
+# Gemma's norms take 1 + w and feed GeGLU; Qwen3's q/k norms read projections instead of feeding them (no sums)
+FP32_ARCHS = ["llama", "gemma"]
+BF16_ARCHS = ["llama", "qwen3"]
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +42,7 @@ def step(model, config):
     return (out.loss.detach(), grads(model)), taken
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FP32_ARCHS)
 def test_fp32_full_fine_tuning_takes_every_projection_sum_and_the_step_is_unchanged(arch):
     """Each layer's two norms feed projections (q/k/v, gate/up): two sums per layer. In fp32 the kernel adds the
     terms in fp32, left to right, as Inductor's add kernel did: the same step bit for bit."""
@@ -51,7 +53,7 @@ def test_fp32_full_fine_tuning_takes_every_projection_sum_and_the_step_is_unchan
     assert_same_step(on, off)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", BF16_ARCHS)
 def test_bf16_full_fine_tuning_is_as_close_to_fp32_as_without_it(arch):
     """bf16: the sum is no longer rounded to bf16 before the norm's backward reads it, one rounding fewer. So every
     gradient's relative error against an fp32 copy's step moves by at most one bf16 rounding (U_BF16) either way,
