@@ -111,6 +111,11 @@ def statically_equal(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
+def statically_same_shape(a: Any, b: Any) -> bool:
+    """Two shapes of one rank whose sizes are :func:`statically_equal` one by one."""
+    return len(a) == len(b) and all(statically_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def compiling_a_ddp_bucket() -> bool:
     """Whether Dynamo's DDPOptimizer is compiling one gradient bucket's piece of a DDP model's graph now.
 

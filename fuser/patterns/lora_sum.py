@@ -21,7 +21,7 @@ import torch.fx
 
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
-from fuser._compat import statically_equal
+from fuser._compat import statically_same_shape
 from fuser.engine.canonical import canonical, dtype_of, tensor_meta
 from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
@@ -95,9 +95,7 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
     if scalar_hint(b["scale"]) is None:  # a symbolic scale (another lora_alpha, recompiled) is passed as it is
         raise Decline(f"the LoRA scaling `{b['scale'].name}` is computed from data at run time")
     expected = (*a.shape[:-1], w.shape[0])
-    if len(base.shape) != len(expected) or not all(
-        statically_equal(x, y) for x, y in zip(base.shape, expected, strict=True)
-    ):
+    if not statically_same_shape(base.shape, expected):
         raise Decline(f"base of shape {tuple(base.shape)}, not a's rows × the adapter's outputs {expected}")
     if base.device != a.device or w.device != a.device:
         raise Decline("base, input and adapter on different devices")

@@ -28,7 +28,8 @@ import torch
 import torch.fx
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers the fuser:: norm ops)
-from fuser._compat import statically_equal
+from fuser._compat import statically_same_shape
+from fuser.engine.canonical import tensor_meta
 from fuser.patterns.base import PostGradPass
 
 if TYPE_CHECKING:
@@ -41,27 +42,18 @@ _ADD = torch.ops.aten.add.Tensor
 MAX_TERMS = 4  # dy, dy2, dy3, dy4
 
 
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.dim() == b.dim()
-        and all(statically_equal(x, y) for x, y in zip(a.shape, b.shape, strict=True))
-    )
+    return a.dtype == b.dtype and statically_same_shape(a.shape, b.shape)
 
 
 def _plain_add(node, like: torch.Tensor) -> bool:
     """``node`` is ``aten.add.Tensor`` of two graph tensors shaped and typed as ``like``, with no alpha."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is _ADD):
         return False
-    if node.kwargs or len(node.args) != 2:
+    if node.kwargs or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return False
-    vals = [_val(a) for a in node.args]
-    return all(v is not None and _same(v, like) for v in (*vals, _val(node)))
+    vals = [tensor_meta(a) for a in node.args]
+    return all(v is not None and _same(v, like) for v in (*vals, tensor_meta(node)))
 
 
 def _terms(dy: torch.fx.Node, like: torch.Tensor) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
@@ -92,7 +84,7 @@ def plan_norm_grad_sums(graph: torch.fx.Graph) -> list:
     mutations = [order[n] for n in graph.nodes if _mutates(n)]
     plan = []
     for node in calls:
-        dy, like = node.args[0], _val(node.args[0])
+        dy, like = node.args[0], tensor_meta(node.args[0])
         if like is None or not _plain_add(dy, like):
             continue
         if len(dy.users) != 1 or list(node.args).count(dy) + list(node.kwargs.values()).count(dy) != 1:

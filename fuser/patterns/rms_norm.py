@@ -40,7 +40,7 @@ import torch
 import fuser.kernels.linear_normed  # noqa: F401  (registers torch.ops.fuser.linear_normed)
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum, whose sums the refinement leaves)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
-from fuser._compat import statically_equal
+from fuser._compat import statically_same_shape
 from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
@@ -414,7 +414,7 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
         )
     if dtypes[1] == out and dtypes[0] != out:
         a, b = b, a
-    if not all(_same_shape(t.shape, metas[2].shape) for t in metas[:2]):
+    if not all(statically_same_shape(t.shape, metas[2].shape) for t in metas[:2]):
         raise Decline(
             f"`{add.name}` broadcasts: {tuple(metas[0].shape)} + {tuple(metas[1].shape)} (the op adds tensors of one "
             "shape)"
@@ -445,10 +445,6 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
 def _dead_cast(node: torch.fx.Node) -> bool:
     c = canonical(node)
     return c is not None and c.op == "to" and not node.users
-
-
-def _same_shape(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(statically_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def add_residuals_into_norms(graph: torch.fx.Graph, config: FuserConfig) -> int:
