@@ -146,6 +146,11 @@ if HAS_TRITON:
         tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], n.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _load_rows(ptr, row_stride, rows, cols, mask):
+        # a [BLOCK_M, BLOCK_N] tile of a row-major tensor, in fp32 (0 outside the mask)
+        return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def rms_norm_bwd_kernel(
         dy_ptr,
         x_ptr,
@@ -194,17 +199,11 @@ if HAS_TRITON:
             dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             # the norm's output gradient as the sum of up to four terms (the projections it feeds), added in fp32
             if N_DY >= 2:
-                dy += tl.load(dy2_ptr + rows[:, None] * dy2_row_stride + cols[None, :], mask=mask, other=0.0).to(
-                    tl.float32
-                )
+                dy += _load_rows(dy2_ptr, dy2_row_stride, rows, cols, mask)
             if N_DY >= 3:
-                dy += tl.load(dy3_ptr + rows[:, None] * dy3_row_stride + cols[None, :], mask=mask, other=0.0).to(
-                    tl.float32
-                )
+                dy += _load_rows(dy3_ptr, dy3_row_stride, rows, cols, mask)
             if N_DY >= 4:
-                dy += tl.load(dy4_ptr + rows[:, None] * dy4_row_stride + cols[None, :], mask=mask, other=0.0).to(
-                    tl.float32
-                )
+                dy += _load_rows(dy4_ptr, dy4_row_stride, rows, cols, mask)
             if LOAD_RSTD:
                 rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)  # [BLOCK_M]
             else:  # recompute rstd: the row is in registers already
