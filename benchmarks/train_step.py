@@ -91,6 +91,8 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
         cmd += ["--fuser-patterns", args.fuser_patterns]
     for option in args.fuser_option:
         cmd += ["--fuser-option", option]
+    for option in args.inductor_config:
+        cmd += ["--inductor-config", option]
     return cmd
 
 
@@ -174,6 +176,29 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, Any]], c
         Path(args.json).write_text(json.dumps({"job": args.job, "command": command, "modes": results}, indent=1))
 
 
+def apply_inductor_config(settings: list[str]) -> None:
+    """``NAME=VALUE`` pairs onto ``torch._inductor.config`` (``true``/``false``, numbers, or a string)."""
+    import torch._inductor.config as inductor_config
+
+    for setting in settings:
+        name, sep, text = setting.partition("=")
+        if not sep:
+            raise SystemExit(f"train_step: --inductor-config takes NAME=VALUE, got {setting!r}")
+        value: Any = {"true": True, "false": False}.get(text.lower(), text)
+        if isinstance(value, str):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                pass
+        owner = inductor_config
+        *path, leaf = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, leaf):
+            raise SystemExit(f"train_step: torch._inductor.config has no {name!r}")
+        setattr(owner, leaf, value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", required=True, choices=sorted(JOBS))
@@ -207,6 +232,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="a FuserConfig option by name, repeatable: upcast_linear.triton=false, keep_logits=true",
     )
+    parser.add_argument(
+        "--inductor-config",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set torch._inductor.config.NAME (dotted) before compiling, repeatable, for the compile and fuser modes "
+        "alike: triton.cudagraphs=true",
+    )
     parser.add_argument("--profile", metavar="DIR", help="profile 3 more steps; write profile_<job>_<mode>.md to DIR")
     parser.add_argument(
         "--memory-at-peak", metavar="DIR", help="one more step with allocator history: write what is live at its peak"
@@ -238,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = new_result(args)
     try:
+        apply_inductor_config(args.inductor_config)
         run_mode(args, result)
     except Exception:
         traceback.print_exc()

@@ -47,6 +47,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         attention_mask=args.attention_mask,
         fuser_patterns=args.fuser_patterns,
         fuser_options=args.fuser_option,
+        inductor_config=args.inductor_config,
         steps=args.steps,
         warmup=args.warmup,
         command=shlex.join([sys.executable, *sys.argv]),
