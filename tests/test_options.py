@@ -341,7 +341,7 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     )
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
     assert config.lora_sum == LoraSumConfig(fp32_base=True, gated_in_slices=False)
-    assert config.rms_norm == fuser.config.RmsNormConfig(residual_add=True, gradient_sums=False)
+    assert config.rms_norm == fuser.config.RmsNormConfig(residual_add=True, gradient_sums=True)
     assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)
     for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
                     config.lora_sum, config.rms_norm_linear):  # fmt: skip
