@@ -51,6 +51,9 @@ class FuserConfig:
     direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
                      ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
                      past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
+    embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
+                     one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
+                     Inductor's zero-filled fp32 buffer, scatter and cast.
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
@@ -67,9 +70,9 @@ class FuserConfig:
     lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
                            rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
                            gate/up sums are formed in row slices (off: measured slower, and not enough memory saved).
-    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True, gradient_sums=False)``: a residual add
+    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True, gradient_sums=True)``: a residual add
                            before a fused norm joins the norm's op, forward and backward; the norm's backward sums
-                           its projections' input gradients itself (off until measured on a GPU).
+                           its projections' input gradients itself.
     rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
                            adapters are taken too.
 
@@ -83,6 +86,7 @@ class FuserConfig:
     strict: bool = False
     ignore_logging: bool = True
     direct_calls: bool = True
+    embedding_grads: bool = True
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -94,7 +98,7 @@ class FuserConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
-        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls"):
+        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls", "embedding_grads"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")

@@ -63,6 +63,7 @@ from fuser.engine.match import (
 from fuser.kernels.linear_cross_entropy import DwAccumulator, DwKernel  # importing it registers the op
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
+from fuser.patterns.embedding_grads import PASS as EMBEDDING_GRADS_PASS
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -349,4 +350,6 @@ LINEAR_CROSS_ENTROPY = Pattern(
     check_linear_cross_entropy,
     anchors=frozenset({"cross_entropy"}),
     judges_outside_uses=True,
+    # the embedding's gradient, which a tied lm_head's gradient joins (any embedding's: FuserConfig.embedding_grads)
+    post_grad=(EMBEDDING_GRADS_PASS,),
 )
