@@ -112,7 +112,10 @@ def _judge(node: torch.fx.Node) -> tuple[_Chain | None, str | None]:
         return None, "its values are not shaped ids.shape + [H]"
     if valid is not None:
         valid_meta = tensor_meta(valid)
-        if valid_meta is None or valid_meta.dtype != torch.bool or valid_meta.numel() != ids_meta.numel():
+        shape = tuple(valid_meta.shape) if valid_meta is not None else ()
+        if shape[-1:] == (1,):
+            shape = shape[:-1]  # the decomposition's unsqueeze(-1)
+        if valid_meta is None or valid_meta.dtype != torch.bool or not statically_same_shape(shape, ids_meta.shape):
             return None, "its mask is not one bool per id"
     erased, last = [node, buffer], node
     out_dtype = tensor_meta(buffer).dtype
