@@ -32,6 +32,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 import fuser.kernels._triton as T
+import fuser.kernels.embedding_grad as E
 import fuser.kernels.gated_activation as G
 import fuser.kernels.linear_cross_entropy as L
 import fuser.kernels.lora_sum as LS
@@ -187,6 +188,22 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         "linear_cross_entropy backward's scale": lambda: L._scale_inplace(
             t(rows * 2, hidden, dtype=dt), t((), dtype=torch.float32)
         ),
+        "embedding_grad, tied lm_head's scaled gradient added": lambda: ops["embedding_grad_op"](
+            t(2, rows, hidden, dtype=torch.float32),
+            labels.view(2, rows),
+            None,
+            32000,
+            dt,
+            vocab_w,
+            t((), dtype=torch.float32),
+        ),
+        "embedding_grad, masked ids, no base": lambda: ops["embedding_grad_op"](
+            t(2, rows, hidden, dtype=torch.float32),
+            labels.view(2, rows),
+            t(2, rows, 1, dtype=torch.bool),
+            32000,
+            dt,
+        ),
     }
     if dt != torch.float32:
         a32, b32, x32 = (
@@ -225,12 +242,12 @@ def lce_with_triton_dweight(op, h, w, labels) -> None:
 def main() -> None:
     JITFunction.run = compile_instead_of_launch
     T.num_programs_for = lambda t, programs_per_sm=4: programs_per_sm * H200_SMS
-    for module in (G, L, LS, R, P, U):
+    for module in (E, G, L, LS, R, P, U):
         if hasattr(module, "num_programs_for"):
             module.num_programs_for = T.num_programs_for
     getitem = torch.Tensor.__getitem__
     torch.Tensor.__getitem__ = lambda t, index: _aten_getitem(t, index) if t.is_cuda else getitem(t, index)
-    ops = {n: v._init_fn for m in (G, L, LS, R, P, U) for n, v in vars(m).items() if isinstance(v, CustomOpDef)}
+    ops = {n: v._init_fn for m in (E, G, L, LS, R, P, U) for n, v in vars(m).items() if isinstance(v, CustomOpDef)}
     with FakeTensorMode(allow_non_fake_inputs=True):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for name, run in scenarios_for(dt, ops).items():
