@@ -39,11 +39,17 @@ DW_CONFIGS = [
 
 
 # the loss kernel's launch configurations (``K.CHUNK_KERNEL_CONFIG``'s keys), the default first
-_DEFAULT_CE = (K.CHUNK_KERNEL_CONFIG["BLOCK_V"], K.CHUNK_KERNEL_CONFIG["num_warps"])
+# (PROGRAMS_PER_SM k > 0: k programs per SM looping over rows, so that pass 2 may read a row from L2)
+_DEFAULT_CE = tuple(K.CHUNK_KERNEL_CONFIG[key] for key in ("BLOCK_V", "num_warps", "PROGRAMS_PER_SM"))
+_CE_SWEEP = (
+    (2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (8192, 8, 0), (8192, 16, 0), (16384, 16, 0),
+    (4096, 8, 1), (4096, 8, 2), (4096, 8, 4), (8192, 16, 1), (8192, 16, 2), (16384, 16, 1), (16384, 32, 1),
+    (4096, 4, 2), (4096, 4, 4), (8192, 8, 2),
+)  # fmt: skip
 CE_CONFIGS = [dict(K.CHUNK_KERNEL_CONFIG)] + [
-    {"BLOCK_V": block_v, "num_warps": warps}
-    for block_v, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
-    if (block_v, warps) != _DEFAULT_CE
+    {"BLOCK_V": block_v, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+    for block_v, warps, per_sm in _CE_SWEEP
+    if (block_v, warps, per_sm) != _DEFAULT_CE
 ]
 
 
@@ -94,9 +100,11 @@ def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
     for cfg in CE_CONFIGS:
 
         def ce(cfg=cfg):
-            K.lce_chunk_kernel[(rows,)](
-                logits, labels, loss, scale, logits.stride(0), vocab, -100, 1.0, 1.0,
-                HAS_SOFTCAP=False, WRITE_GRAD=True, **cfg,
+            launch = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
+            grid = K.chunk_kernel_programs(rows, logits.device, cfg.get("PROGRAMS_PER_SM", 0))
+            K.lce_chunk_kernel[(grid,)](
+                logits, labels, loss, scale, logits.stride(0), rows, vocab, -100, 1.0, 1.0,
+                HAS_SOFTCAP=False, WRITE_GRAD=True, **launch,
             )  # fmt: skip
 
         logits.copy_(base)
