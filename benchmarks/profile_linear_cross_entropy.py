@@ -69,7 +69,7 @@ def dweight_kernel(acc16, logits, h, cfg) -> float:
         K.DWEIGHT_CONFIG.update(saved)
 
 
-def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
+def chunk_parts(tokens, hidden, vocab, out, only_dweight=False, only_ce=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = K.chunk_rows(tokens, vocab, 2)
     h = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -109,6 +109,9 @@ def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
 
         logits.copy_(base)
         add("CE kernel " + " ".join(f"{k}={v}" for k, v in cfg.items()), ms(ce))
+    if only_ce:
+        out += res
+        return
     logits.copy_(base)
     add("dh mm (G @ W)", ms(lambda: torch.mm(logits, w, out=dh)), flop)
     for splits in (2, 4, 8):
@@ -240,6 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--only-dweight", action="store_true", help="only the weight-gradient rows, no profile")
+    parser.add_argument("--only-ce", action="store_true", help="only the logits matmul and the loss kernel's rows")
     parser.add_argument(
         "--budgets",
         default="",
@@ -270,9 +274,9 @@ def main() -> None:
         "|---|---:|---|---:|---:|---:|",
     ]
     for shape in SHAPES:
-        chunk_parts(*shape, out, only_dweight=args.only_dweight)
+        chunk_parts(*shape, out, only_dweight=args.only_dweight, only_ce=args.only_ce)
         torch.cuda.empty_cache()
-    for shape in [] if args.only_dweight else SHAPES:
+    for shape in [] if args.only_dweight or args.only_ce else SHAPES:
         whole_op_profile(*shape, out)
         torch.cuda.empty_cache()
     text = "\n".join(out) + "\n"
