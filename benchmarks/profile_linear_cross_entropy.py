@@ -39,17 +39,11 @@ DW_CONFIGS = [
 
 
 # the loss kernel's launch configurations (``K.CHUNK_KERNEL_CONFIG``'s keys), the default first
-# (PROGRAMS_PER_SM k > 0: k programs per SM looping over rows, so that pass 2 may read a row from L2)
-_DEFAULT_CE = tuple(K.CHUNK_KERNEL_CONFIG[key] for key in ("BLOCK_V", "num_warps", "PROGRAMS_PER_SM"))
-_CE_SWEEP = (
-    (2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (8192, 8, 0), (8192, 16, 0), (16384, 16, 0),
-    (4096, 8, 1), (4096, 8, 2), (4096, 8, 4), (8192, 16, 1), (8192, 16, 2), (16384, 16, 1), (16384, 32, 1),
-    (4096, 4, 2), (4096, 4, 4), (8192, 8, 2),
-)  # fmt: skip
+_DEFAULT_CE = (K.CHUNK_KERNEL_CONFIG["BLOCK_V"], K.CHUNK_KERNEL_CONFIG["num_warps"])
 CE_CONFIGS = [dict(K.CHUNK_KERNEL_CONFIG)] + [
-    {"BLOCK_V": block_v, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-    for block_v, warps, per_sm in _CE_SWEEP
-    if (block_v, warps, per_sm) != _DEFAULT_CE
+    {"BLOCK_V": block_v, "num_warps": warps}
+    for block_v, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+    if (block_v, warps) != _DEFAULT_CE
 ]
 
 
@@ -69,7 +63,7 @@ def dweight_kernel(acc16, logits, h, cfg) -> float:
         K.DWEIGHT_CONFIG.update(saved)
 
 
-def chunk_parts(tokens, hidden, vocab, out, only_dweight=False, only_ce=False):
+def chunk_parts(tokens, hidden, vocab, out, only_dweight=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = K.chunk_rows(tokens, vocab, 2)
     h = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -100,18 +94,13 @@ def chunk_parts(tokens, hidden, vocab, out, only_dweight=False, only_ce=False):
     for cfg in CE_CONFIGS:
 
         def ce(cfg=cfg):
-            launch = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
-            grid = K.chunk_kernel_programs(rows, logits.device, cfg.get("PROGRAMS_PER_SM", 0))
-            K.lce_chunk_kernel[(grid,)](
-                logits, labels, loss, scale, logits.stride(0), rows, vocab, -100, 1.0, 1.0,
-                HAS_SOFTCAP=False, WRITE_GRAD=True, **launch,
+            K.lce_chunk_kernel[(rows,)](
+                logits, labels, loss, scale, logits.stride(0), vocab, -100, 1.0, 1.0,
+                HAS_SOFTCAP=False, WRITE_GRAD=True, **cfg,
             )  # fmt: skip
 
         logits.copy_(base)
         add("CE kernel " + " ".join(f"{k}={v}" for k, v in cfg.items()), ms(ce))
-    if only_ce:
-        out += res
-        return
     logits.copy_(base)
     add("dh mm (G @ W)", ms(lambda: torch.mm(logits, w, out=dh)), flop)
     for splits in (2, 4, 8):
@@ -243,7 +232,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--only-dweight", action="store_true", help="only the weight-gradient rows, no profile")
-    parser.add_argument("--only-ce", action="store_true", help="only the logits matmul and the loss kernel's rows")
     parser.add_argument(
         "--budgets",
         default="",
@@ -274,9 +262,9 @@ def main() -> None:
         "|---|---:|---|---:|---:|---:|",
     ]
     for shape in SHAPES:
-        chunk_parts(*shape, out, only_dweight=args.only_dweight, only_ce=args.only_ce)
+        chunk_parts(*shape, out, only_dweight=args.only_dweight)
         torch.cuda.empty_cache()
-    for shape in [] if args.only_dweight or args.only_ce else SHAPES:
+    for shape in [] if args.only_dweight else SHAPES:
         whole_op_profile(*shape, out)
         torch.cuda.empty_cache()
     text = "\n".join(out) + "\n"

@@ -262,7 +262,6 @@ if HAS_TRITON:
         loss_ptr,
         scale_ptr,
         logits_row_stride,
-        n_rows,
         n_cols,
         ignore_index,
         logit_scale,
@@ -271,33 +270,7 @@ if HAS_TRITON:
         WRITE_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # rows pid, pid + P, ... (P programs: one per row, or a few per SM so that a row read by pass 1 is still in
-        # L2 when pass 2 reads it again)
-        pid = tl.program_id(0)
-        n_programs = tl.num_programs(0)
-        for i in range(0, tl.cdiv(n_rows - pid, n_programs)):
-            row = pid + i * n_programs
-            _lce_row(
-                logits_ptr, labels_ptr, loss_ptr, scale_ptr, logits_row_stride, row, n_cols, ignore_index,
-                logit_scale, softcap, HAS_SOFTCAP, WRITE_GRAD, BLOCK_V,
-            )  # fmt: skip
-
-    @triton.jit
-    def _lce_row(
-        logits_ptr,
-        labels_ptr,
-        loss_ptr,
-        scale_ptr,
-        logits_row_stride,
-        row,
-        n_cols,
-        ignore_index,
-        logit_scale,
-        softcap,
-        HAS_SOFTCAP: tl.constexpr,
-        WRITE_GRAD: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+        row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)
         # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
@@ -436,18 +409,8 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
 # per chunk at 2048 × 256000 / 2048 × 128256 / 3280 × 151936 rows × vocabulary: 4096 × 8 warps 0.91 / 0.47 / 0.86,
 # 8192 × 16 (before) 1.08 / 0.60 / 1.14, every other block × warps tried 1.01 or more / 0.51 / 0.95. A lane-sum form
 # of the first pass and a dhidden split over the vocabulary were also timed in the op and dropped (same file)
-# PROGRAMS_PER_SM: 0 launches one program per row; k > 0 launches k per SM, each looping over rows, so that fewer
-# rows are in flight and a row's second pass can find it in L2
-CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 0}
-_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4, "PROGRAMS_PER_SM": 0}
-
-
-def chunk_kernel_programs(n_rows: int, device: torch.device, programs_per_sm: int) -> int:
-    """The loss kernel's grid: one program per row, or ``programs_per_sm`` per SM (at most one per row)."""
-    if programs_per_sm <= 0 or device.type != "cuda":
-        return n_rows
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_rows, sms * programs_per_sm))
+CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8}
+_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4}
 
 
 def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
@@ -456,13 +419,12 @@ def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad
         return
     cfg = CHUNK_KERNEL_CONFIG if logits.is_cuda else _CPU_CHUNK_KERNEL_CONFIG
     block_v = min(next_power_of_2(n_cols), cfg["BLOCK_V"])
-    lce_chunk_kernel[(chunk_kernel_programs(n_rows, logits.device, cfg["PROGRAMS_PER_SM"]),)](
+    lce_chunk_kernel[(n_rows,)](
         logits,
         labels,
         loss_rows,
         scale,
         logits.stride(0),
-        n_rows,
         n_cols,
         int(ce.ignore_index),
         float(ce.logit_scale),

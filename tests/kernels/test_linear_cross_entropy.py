@@ -464,41 +464,6 @@ def test_scale_inplace_kernel(dtype, gen, triton_on_cpu):
         g.copy_(before if s == s else torch.randn(n, generator=gen).to(dtype))
 
 
-@interpreter
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_loss_kernel_with_fewer_programs_than_rows(programs, gen, triton_on_cpu):
-    """``PROGRAMS_PER_SM`` launches fewer loss-kernel programs than rows, each looping over rows ``pid, pid + P,
-    ...``: every row's loss and gradient are then bit for bit those of one program per row (the loss pre-filled with
-    NaN, so a row no program visits shows)."""
-    triton_on_cpu()
-    n_rows, vocab = 7, 300
-    base = torch.randn(n_rows, vocab, generator=gen) * 3
-    labels = torch.randint(0, vocab, (n_rows,), generator=gen)
-    labels[2] = -100
-    scale = torch.tensor(0.5)
-    results = []
-    for grid in (n_rows, programs):
-        logits = base.clone()
-        loss = torch.full((n_rows,), float("nan"))
-        lce_module.lce_chunk_kernel[(grid,)](
-            logits, labels, loss, scale, logits.stride(0), n_rows, vocab, -100, 1.0, 1.0,
-            HAS_SOFTCAP=False, WRITE_GRAD=True, BLOCK_V=128,
-        )  # fmt: skip
-        results.append((loss, logits))
-    (want_loss, want_grad), (loss, grad) = results
-    assert not want_loss.isnan().any() and not loss.isnan().any(), "a row was not visited"
-    assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
-    expected = F.cross_entropy(base.double(), labels, reduction="none")
-    assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=1e-6)
-
-
-def test_loss_kernel_grid():
-    """One program per row by default and off a GPU; ``k`` per SM, never more than the rows, on one."""
-    assert lce_module.CHUNK_KERNEL_CONFIG["PROGRAMS_PER_SM"] == 0
-    assert lce_module.chunk_kernel_programs(5000, torch.device("cpu"), 2) == 5000
-    assert lce_module.chunk_kernel_programs(5000, torch.device("cpu"), 0) == 5000
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The weight gradient's accumulators (fp16 weight, several chunks)
 # ---------------------------------------------------------------------------------------------------------
