@@ -57,8 +57,8 @@ done
 python3 - "$R" "${LABELS[@]}" <<'EOF' | tee "$R/variants_$JOB.md"
 import json, pathlib, sys
 r = pathlib.Path(sys.argv[1])
-print("| run | tokens/s | step ms | peak GiB | warm-up s | last loss | fused |")
-print("|---|---:|---:|---:|---:|---:|---|")
+print("| run | tokens/s | step ms | host ms | GC ms | peak GiB | warm-up s | last loss | fused |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 first = None
 for name in sys.argv[2:]:
     label = (r / f"{name}.label").read_text().strip() if (r / f"{name}.label").exists() else name
@@ -70,8 +70,14 @@ for name in sys.argv[2:]:
     d = d["modes"][next(iter(d["modes"]))] if "modes" in d else d
     first = first or d
     counts = d.get("fuser_counts", "")
+    # the timed steps' median host (launch) time and their summed GC time (older JSON: none)
+    timed = len(d["step_s"])
+    host = sorted(d.get("host_s", [])[-timed:]) if timed else []
+    host_ms = f"{1e3 * host[len(host) // 2]:.1f}" if host else "–"
+    gc_ms = f"{1e3 * sum(d['gc_s'][-timed:]):.1f}" if d.get("gc_s") and timed else "–"
     print(f"| {d['mode']} {label if name.startswith('fuser') else ''} | {d['tokens_per_s']:,.0f} | {d['step_ms']:.1f} |"
-          f" {d.get('peak_gib') or float('nan'):.2f} | {d['warmup_s']:.1f} | {d['last_loss']:.4f} | {counts} |")
+          f" {host_ms} | {gc_ms} | {d.get('peak_gib') or float('nan'):.2f} | {d['warmup_s']:.1f} |"
+          f" {d['last_loss']:.4f} | {counts} |")
 if first:
     print(f"\n{first['device']}; {first['versions']}; {first['date']}; steps {first['steps']}, warm-up {first['warmup']}")
 EOF

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import re
 import shlex
@@ -153,11 +154,37 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
     result["phase"] = "done"
 
 
+class GcTimer:
+    """While entered, ``total`` sums the seconds Python's garbage collector runs (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def time_steps(result, args, batches, train_step, sync, device: torch.device) -> tuple[list, list, list]:
     """Run the warm-up and timed steps on ``batches``: (losses, warm-up step seconds, timed step seconds). fuser's
     warnings are kept in ``result``, the others echoed."""
     losses, warmup_s, step_s = [], [], []
-    with warnings.catch_warnings(record=True) as caught:
+    # per step, warm-up ones included: the host's time until train_step returned (its launches, before the final
+    # synchronize: close to the step's time where the GPU waited on the host), and the time Python's garbage
+    # collector ran inside the step
+    host_s, gc_s = result.setdefault("host_s", []), result.setdefault("gc_s", [])
+    gc_time = GcTimer()
+    with warnings.catch_warnings(record=True) as caught, gc_time:
         warnings.simplefilter("always")
         try:
             for i, ids in enumerate(batches):
@@ -165,10 +192,13 @@ def time_steps(result, args, batches, train_step, sync, device: torch.device) ->
                 if i == args.warmup:
                     result["peak_warmup_gib"] = take_peak(result, device)  # build and warm-up
                 sync()
+                gc_before = gc_time.total
                 start = time.perf_counter()
                 loss = train_step(ids)
+                host_s.append(time.perf_counter() - start)
                 sync()
                 (warmup_s if i < args.warmup else step_s).append(time.perf_counter() - start)
+                gc_s.append(gc_time.total - gc_before)
                 losses.append(loss.item())
                 step_ms = 1e3 * (warmup_s + step_s)[-1]
                 progress = f"step {i} ({result['phase']}): loss {losses[-1]:.4f}, {step_ms:.0f} ms"

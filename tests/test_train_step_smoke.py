@@ -56,6 +56,10 @@ def test_tiny_lora_job_runs_eager_and_fuser_with_equal_first_losses(train_step, 
         assert result["status"] == "ok"
         assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
         assert result["tokens_per_s"] > 0 and result["step_ms"] > 0
+        # per step (warm-up included): the host's launch time within the step's time, and GC time within that
+        steps = result["warmup_step_s"] + result["step_s"]
+        assert len(result["host_s"]) == len(result["gc_s"]) == len(steps) == 3
+        assert all(0 < h <= t and 0 <= g <= h for h, g, t in zip(result["host_s"], result["gc_s"], steps, strict=True))
     assert abs(fused["first_loss"] - eager["first_loss"]) <= 1e-4 * abs(eager["first_loss"])
     assert fused["fuser_counts"], "fuser fused nothing in the tiny Llama"
     assert eager["trainable_params"] < eager["params"]  # LoRA: the base is frozen
