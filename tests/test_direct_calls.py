@@ -14,9 +14,13 @@ import torch
 
 import fuser
 from fuser.engine import direct_calls
+from tests.models.inductor_steps import XDIST_GROUP, inductor_step
 from tests.models.tiny import batch, grads, lora_model
 
 OPS = torch.ops.fuser
+# one worker runs the module under pytest-xdist (``--dist loadgroup``), beside the other modules that read the steps
+# of tests/models/inductor_steps.py (each computed once there)
+pytestmark = XDIST_GROUP
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +118,9 @@ CALL = re.compile(r"torch\.ops\.fuser\.(\w+)\.(\w+)\(")
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
 def test_compiled_step_calls_direct_overloads_and_equals_the_default_ones(checkpointing):
-    loss_on, grads_on, code_on = step_and_code(fuser.FuserConfig(strict=True), checkpointing)
+    # step_and_code(fuser.FuserConfig(strict=True), checkpointing), read from inductor_steps (the same model)
+    shared = inductor_step("checkpointed lora" if checkpointing else "lora", fuser.FuserConfig(strict=True))
+    (loss_on, grads_on), code_on = shared.loss_and_grads(), shared.code
     off_config = fuser.FuserConfig.from_options({"strict": True, "direct_calls": False})
     loss_off, grads_off, code_off = step_and_code(off_config, checkpointing)
     on, off = CALL.findall(code_on), CALL.findall(code_off)

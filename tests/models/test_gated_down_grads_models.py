@@ -10,8 +10,13 @@ import pytest
 import torch
 
 import fuser
+from tests.models.inductor_steps import XDIST_GROUP, inductor_step
 from tests.models.tiny import ARCHS as TINY_ARCHS
 from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpointed, from_config, grads
+
+# one worker runs the module under pytest-xdist (``--dist loadgroup``), beside the other modules that read the steps
+# of tests/models/inductor_steps.py (each computed once there)
+pytestmark = XDIST_GROUP
 
 INDUCTOR = fuser.FuserConfig(strict=True)
 OFF = fuser.FuserConfig.from_options({"strict": True, "gated_mlp": {"backward_writes_product": False}})
@@ -42,7 +47,8 @@ def full_step(model, config, device="cpu"):
 @pytest.mark.parametrize(("arch", "pattern"), ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(arch, pattern, dtype):
-    on, counts = full_step(build(arch, dtype).train(), INDUCTOR)
+    shared = inductor_step(arch if dtype == torch.float32 else f"{arch} bf16", INDUCTOR)  # build(arch, dtype).train()
+    on, counts = shared.loss_and_grads(), shared.post_grad_counts
     assert counts.get("gated_down_grads") == N_LAYERS
     off, counts_off = full_step(build(arch, dtype).train(), OFF)
     assert "gated_down_grads" not in counts_off
@@ -52,7 +58,8 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(arch, pattern, dtyp
 def test_checkpointed_layers_take_the_in_place_form():
     # gate and up are recomputed in the backward graph and nothing reads them after: the gated backward is in place,
     # and the fused op writes dgate and dup over them
-    on, counts = full_step(checkpointed(build("llama")), INDUCTOR)
+    shared = inductor_step("checkpointed llama", INDUCTOR)  # checkpointed(build("llama"))
+    on, counts = shared.loss_and_grads(), shared.post_grad_counts
     assert counts.get("gated_down_grads") == N_LAYERS
     assert counts.get("gated_backward_in_place") == N_LAYERS
     off, counts_off = full_step(checkpointed(build("llama")), OFF)

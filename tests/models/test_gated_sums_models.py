@@ -12,9 +12,13 @@ import torch
 
 import fuser
 import fuser.kernels.lora_sum as lora_sum_kernels
+from tests.models.inductor_steps import MODELS, XDIST_GROUP, inductor_step
 from tests.models.tiny import N_LAYERS, assert_same_step, batch, checkpointed, grads, lora_model, lora_step
 
 pytest.importorskip("peft")
+# one worker runs the module under pytest-xdist (``--dist loadgroup``), beside the other modules that read the steps
+# of tests/models/inductor_steps.py (each computed once there)
+pytestmark = XDIST_GROUP
 
 ON = fuser.FuserConfig.from_options({"strict": True, "lora_sum": {"gated_in_slices": True}})
 OFF = fuser.FuserConfig(strict=True)  # the default: off until measured on a GPU
@@ -32,27 +36,27 @@ def _no_inductor_cache_and_small_slices(monkeypatch):
         yield
 
 
-def step_on_and_off(make, monkeypatch):
-    """(step with the pass, step without it, the pass's count, rows of each gated forward kernel call with it)."""
+def step_on_and_off(model, monkeypatch):
+    """(step with the pass, step without it, the pass's count, rows of each gated forward kernel call with it) of
+    ``inductor_steps.MODELS[model]``; the step without the pass (OFF, the default) is read from there."""
     import fuser.kernels.gated_activation as gated
 
+    shared = inductor_step(model, OFF)
+    off = shared.loss_and_grads()
+    assert PASS not in shared.post_grad_counts
     rows, real = [], gated.gated_activation_forward
     monkeypatch.setattr(
         gated, "gated_activation_forward", lambda g, *a, **k: rows.append(g.shape[0]) or real(g, *a, **k)
     )
-    on = lora_step(make(), ON)
+    on = lora_step(MODELS[model](), ON)
     counts = dict(fuser.backend(ON).post_grad_counts)
-    monkeypatch.setattr(gated, "gated_activation_forward", real)
-    torch._dynamo.reset()
-    off = lora_step(make(), OFF)
-    assert PASS not in fuser.backend(OFF).post_grad_counts
     return on, off, counts, rows
 
 
 @pytest.mark.parametrize("with_checkpointing", [False, True], ids=["saved", "checkpointed"])
 def test_lora_llama_gated_sums_in_slices_step_unchanged(with_checkpointing, monkeypatch):
-    make = (lambda: checkpointed(lora_model())) if with_checkpointing else lora_model
-    on, off, counts, rows = step_on_and_off(make, monkeypatch)
+    # checkpointed(lora_model()), or lora_model()
+    on, off, counts, rows = step_on_and_off("checkpointed lora" if with_checkpointing else "lora", monkeypatch)
     # the forward graph's, and under checkpointing the backward's recomputation of each layer
     assert counts[PASS] == N_LAYERS * (2 if with_checkpointing else 1), counts
     # 32 rows (2 × 16 tokens) in slices of 5: six whole slices and one of 2, per call

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 import fuser
-from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpointed, grads, rel, with_lora
+from tests.models.inductor_steps import XDIST_GROUP, inductor_step
+from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpointed, grads, lora_model, rel
+
+# one worker runs the module under pytest-xdist (``--dist loadgroup``), beside the other modules that read the steps
+# of tests/models/inductor_steps.py (each computed once there)
+pytestmark = XDIST_GROUP
 
 ON = fuser.FuserConfig.from_options({"strict": True, "rms_norm": {"gradient_sums": True}})
 OFF = fuser.FuserConfig.from_options({"strict": True, "rms_norm": {"gradient_sums": False}})
@@ -42,12 +47,18 @@ def step(model, config):
     return (out.loss.detach(), grads(model)), taken
 
 
+def shared_step(model, config):
+    """``step`` of ``inductor_steps.MODELS[model]``, read from the one computed there."""
+    shared = inductor_step(model, config)
+    return shared.loss_and_grads(), shared.post_grad_counts.get("norm_grad_sums", 0)
+
+
 @pytest.mark.parametrize("arch", FP32_ARCHS)
 def test_fp32_full_fine_tuning_takes_every_projection_sum_and_the_step_is_unchanged(arch):
     """Each layer's two norms feed projections (q/k/v, gate/up): two sums per layer. In fp32 the kernel adds the
     terms in fp32, left to right, as Inductor's add kernel did: the same step bit for bit."""
     model = build(arch).train()
-    on, taken = step(copy.deepcopy(model), ON)
+    on, taken = shared_step(arch, ON)  # of build(arch).train()
     off, taken_off = step(copy.deepcopy(model), OFF)
     assert taken == 2 * N_LAYERS and taken_off == 0
     assert_same_step(on, off)
@@ -60,7 +71,7 @@ def test_bf16_full_fine_tuning_is_as_close_to_fp32_as_without_it(arch):
     and the loss (computed before the backward) is the same."""
     model = build(arch, torch.bfloat16).train()
     (loss32, grads32), _ = step(copy.deepcopy(model).float(), OFF)
-    (loss_on, grads_on), taken = step(copy.deepcopy(model), ON)
+    (loss_on, grads_on), taken = shared_step(f"{arch} bf16", ON)  # of build(arch, torch.bfloat16).train()
     (loss_off, grads_off), _ = step(copy.deepcopy(model), OFF)
     assert taken == 2 * N_LAYERS
     assert torch.equal(loss_on, loss_off)
@@ -76,9 +87,9 @@ def test_bf16_full_fine_tuning_is_as_close_to_fp32_as_without_it(arch):
 def test_lora_takes_the_sums_of_the_adapted_projections():
     """peft's LoRA on every linear layer (bf16 base, fp32 adapters): the norms' output gradients are sums of the
     adapted projections' input gradients too; the step stays as close to fp32 as without it."""
-    model = with_lora(build("llama", torch.bfloat16))
+    model = lora_model()
     (_, grads32), _ = step(copy.deepcopy(model).float(), OFF)
-    (_, grads_on), taken = step(copy.deepcopy(model), ON)
+    (_, grads_on), taken = shared_step("lora", ON)  # of lora_model()
     (_, grads_off), _ = step(copy.deepcopy(model), OFF)
     # every norm but the first layer's input norm (the embeddings are frozen: its backward does not run)
     assert taken == 2 * N_LAYERS - 1
@@ -88,7 +99,7 @@ def test_lora_takes_the_sums_of_the_adapted_projections():
 
 def test_checkpointed_layers_take_their_sums():
     model = checkpointed(build("llama"))
-    on, taken = step(copy.deepcopy(model), ON)
+    on, taken = shared_step("checkpointed llama", ON)
     off, _ = step(copy.deepcopy(model), OFF)
     assert taken == 2 * N_LAYERS
     assert_same_step(on, off)

@@ -1,0 +1,83 @@
+"""Training steps of the tiny models through Inductor that several post-grad-pass test modules compare with, each
+computed once per pytest process instead of once per test that reads it.
+
+The default step (``FuserConfig(strict=True)``) of one model was compiled by up to four tests of
+test_gated_down_grads_models, test_norm_grad_sums_models, test_gated_inplace_models, test_gated_sums_models and
+test_direct_calls (through Inductor on CPU a checkpointed peft model's step takes 30-45 s). A step is a function of
+its config and of fixed seeds (``build``, ``lora_model``, ``batch``), so it is the same whichever test computes it
+first; it is computed as each of those tests did, from a clean Dynamo cache and fresh fuser backends, with
+Inductor's graph caches off (a cached graph skips the post-grad passes and their counts), and Inductor's generated
+code is kept. The modules that read it share one pytest-xdist group (``XDIST_GROUP``): one worker computes each
+step once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import pytest
+import torch
+
+import fuser
+from tests.models.tiny import batch, build, checkpointed, grads, lora_model
+
+DEFAULT = fuser.FuserConfig(strict=True)  # the default inner compiler: Inductor
+XDIST_GROUP = pytest.mark.xdist_group("inductor_steps")
+
+# name → the model, built afresh (its weights from fixed seeds)
+MODELS = {
+    "llama": lambda: build("llama").train(),
+    "gemma": lambda: build("gemma").train(),
+    "llama bf16": lambda: build("llama", torch.bfloat16).train(),
+    "gemma bf16": lambda: build("gemma", torch.bfloat16).train(),
+    "qwen3 bf16": lambda: build("qwen3", torch.bfloat16).train(),
+    "checkpointed llama": lambda: checkpointed(build("llama")),
+    "lora": lora_model,  # a bf16 Llama with peft's fp32 adapters on every linear layer
+    "checkpointed lora": lambda: checkpointed(lora_model()),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]  # every gradient the step formed, by parameter name
+    post_grad_counts: Mapping[str, int]  # what fuser's post-grad passes rewrote in the step's graphs (read-only)
+    code: str  # Inductor's generated code, forward and backward
+
+    def loss_and_grads(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies, as ``lora_step`` returns them (a test must not change the step the next one reads)."""
+        return self.loss.clone(), {name: g.clone() for name, g in self.grads.items()}
+
+
+@functools.cache
+def inductor_step(model: str, config: fuser.FuserConfig = DEFAULT) -> Step:
+    """One training step of ``MODELS[model]`` through ``fuser.optimize(model, config)`` on ``batch()``."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.utils import run_and_get_code
+
+    import fuser.dynamo_backend
+
+    assert config.inner_compiler == "inductor", config
+    torch._dynamo.reset()
+    fuser.dynamo_backend._BACKENDS.clear()
+    with (
+        torch.random.fork_rng(),  # the builders seed the global RNG: the calling test's stays as it was
+        torch._inductor.config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        built = MODELS[model]()
+        run = fuser.optimize(built, config)
+
+        def step() -> torch.Tensor:
+            out = run(**batch())
+            out.loss.backward()
+            return out.loss.detach()
+
+        loss, code = run_and_get_code(step)
+        counts = MappingProxyType(dict(fuser.backend(config).post_grad_counts))
+    torch._dynamo.reset()
+    fuser.dynamo_backend._BACKENDS.clear()
+    return Step(loss, grads(built), counts, "\n".join(code))
