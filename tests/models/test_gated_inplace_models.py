@@ -7,7 +7,6 @@ rounding."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import fuser
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
+from tests.models.inductor_steps import XDIST_GROUP, inductor_step
 from tests.models.tiny import (
     N_LAYERS,
     assert_same_step,
@@ -28,8 +28,10 @@ from tests.models.tiny import (
 )
 
 pytest.importorskip("peft")
-# one worker runs the module under pytest-xdist (``--dist loadgroup``): the tests share checkpointed_step_off
-pytestmark = pytest.mark.xdist_group("gated_inplace_models")
+# one worker runs the module under pytest-xdist (``--dist loadgroup``): the tests share the steps with the passes off
+# (step_off, checkpointed_step_off), and with the other modules of the group the steps of
+# tests/models/inductor_steps.py (each computed once there)
+pytestmark = XDIST_GROUP
 
 INDUCTOR = fuser.FuserConfig(strict=True)  # the default inner compiler
 INDUCTOR_LENIENT = fuser.FuserConfig()
@@ -43,7 +45,12 @@ GATED_PASSES = ("gated_backward_in_place", "gated_dx_accumulated")
 
 def gated_counts(backend) -> dict[str, int]:
     """What the gated MLP's post-grad passes rewrote in ``backend``'s graphs."""
-    return {k: v for k, v in backend.post_grad_counts.items() if k in GATED_PASSES}
+    return only_gated(backend.post_grad_counts)
+
+
+def only_gated(post_grad_counts: dict[str, int]) -> dict[str, int]:
+    """The gated MLP's passes' of what fuser's post-grad passes rewrote (``FuserBackend.post_grad_counts``)."""
+    return {k: v for k, v in post_grad_counts.items() if k in GATED_PASSES}
 
 
 @pytest.fixture(autouse=True)
@@ -64,22 +71,17 @@ def step_without_the_pass(make):
     return off
 
 
-def step_with_and_without_the_pass(make, off=None):
-    """((loss, grads) with the pass, the same without it (``off`` if given), what the pass rewrote in the first
-    run)."""
-    backend = fuser.backend(INDUCTOR)
-    on = lora_step(make(), INDUCTOR)
-    counts = gated_counts(backend)
-    torch._dynamo.reset()
-    return on, off if off is not None else step_without_the_pass(make), counts
+def step_with_the_pass(model: str):
+    """((loss, grads) of ``inductor_steps.MODELS[model]`` with the pass, what the pass rewrote in it)."""
+    shared = inductor_step(model, INDUCTOR)
+    return shared.loss_and_grads(), only_gated(shared.post_grad_counts)
 
 
-@pytest.fixture(scope="module")
-def checkpointed_step_off():
-    """The checkpointed LoRA Llama's step with the passes switched off, compiled once for the tests that compare
-    with it (a Dynamo trace of a checkpointed peft model: 20-45 s on CPU). The step is a function of fixed seeds
-    (``lora_model``, ``batch``), so it is the same whichever test computes it first; it is computed as each of
-    those tests did, from a clean Dynamo cache with Inductor's graph caches off, and the tests only read it."""
+def _computed_once_without_the_pass(make):
+    """The step with the passes switched off, compiled once for the tests that compare with it (a Dynamo trace of a
+    checkpointed peft model: 20-45 s on CPU). The step is a function of fixed seeds (``lora_model``, ``batch``), so
+    it is the same whichever test computes it first; it is computed as each of those tests did, from a clean Dynamo
+    cache with Inductor's graph caches off, and the tests only read it."""
     import torch._functorch.config as functorch_config
 
     import fuser.dynamo_backend
@@ -87,36 +89,46 @@ def checkpointed_step_off():
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        off = step_without_the_pass(lambda: checkpointed(lora_model()))
+        off = step_without_the_pass(make)
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
     return off
 
 
+@pytest.fixture(scope="module")
+def checkpointed_step_off():
+    """The checkpointed LoRA Llama's step with the passes switched off."""
+    return _computed_once_without_the_pass(lambda: checkpointed(lora_model()))
+
+
+@pytest.fixture(scope="module")
+def step_off():
+    """The LoRA Llama's step (no checkpointing) with the passes switched off."""
+    return _computed_once_without_the_pass(lora_model)
+
+
 def test_checkpointed_lora_llama_one_per_layer_step_unchanged(checkpointed_step_off):
-    on, off, counts = step_with_and_without_the_pass(lambda: checkpointed(lora_model()), checkpointed_step_off)
+    on, counts = step_with_the_pass("checkpointed lora")  # checkpointed(lora_model())
     assert counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": N_LAYERS}
-    assert_same_step(on, off)
+    assert_same_step(on, checkpointed_step_off)
 
 
-def test_not_without_checkpointing():
+def test_not_without_checkpointing(step_off):
     # gate and up are saved for the backward: graph inputs of the backward graph, which autograd owns
-    on, off, counts = step_with_and_without_the_pass(lora_model)
+    on, counts = step_with_the_pass("lora")  # lora_model()
     assert counts["gated_backward_in_place"] == 0 and counts["gated_dx_accumulated"] == N_LAYERS
-    assert_same_step(on, off)
+    assert_same_step(on, step_off)
 
 
 def test_checkpointed_full_fine_tune_equals_eager():
-    model = checkpointed(build("llama"))
-    reference = copy.deepcopy(model)
+    (loss, g), counts = step_with_the_pass("checkpointed llama")  # checkpointed(build("llama"))
+    reference = checkpointed(build("llama"))
     data = batch()
     reference(**data).loss.backward()
-    out = fuser.optimize(model, INDUCTOR)(**data)
-    out.loss.backward()
     # no LoRA adapter on the down projection: nothing to accumulate
-    assert gated_counts(fuser.backend(INDUCTOR)) == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": 0}
-    assert rel(out.loss, reference(**data).loss) <= 1e-6
-    g, g_ref = grads(model), grads(reference)
+    assert counts == {"gated_backward_in_place": N_LAYERS, "gated_dx_accumulated": 0}
+    assert rel(loss, reference(**data).loss) <= 1e-6
+    g_ref = grads(reference)
     assert g.keys() == g_ref.keys()
     for name in g_ref:
         assert rel(g[name], g_ref[name]) <= 1e-5, name
