@@ -27,6 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from bench_common import markdown_table, rel_err, time_graph_and_launched
+from bench_sliding_window import repeat_kv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # name: (batch, seq, heads, kv_heads, head_dim) — the train_step.py jobs' attention at 4×2048, and one long one.
@@ -44,18 +45,13 @@ BACKENDS = {
 }
 
 
-def expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    b, kv, t, d = x.shape
-    return x[:, :, None].expand(b, kv, groups, t, d).reshape(b, kv * groups, t, d)
-
-
 def implementation(backend: SDPBackend, gqa: bool):
     def run(q, k, v):
         with sdpa_kernel([backend]):
             if gqa:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             groups = q.shape[1] // k.shape[1]
-            return F.scaled_dot_product_attention(q, expand(k, groups), expand(v, groups), is_causal=True)
+            return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
 
     return run
 
@@ -64,7 +60,7 @@ def reference(q, k, v):
     """Causal attention in fp32 math (TF32 off), k and v expanded."""
     groups = q.shape[1] // k.shape[1]
     with sdpa_kernel([SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, expand(k, groups), expand(v, groups), is_causal=True)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
 
 
 def inputs(batch, seq, heads, kv_heads, head_dim, seed=0):

@@ -13,9 +13,10 @@ step once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 import pytest
@@ -52,21 +53,31 @@ class Step:
         return self.loss.clone(), {name: g.clone() for name, g in self.grads.items()}
 
 
-@functools.cache
-def inductor_step(model: str, config: fuser.FuserConfig = DEFAULT) -> Step:
-    """One training step of ``MODELS[model]`` through ``fuser.optimize(model, config)`` on ``batch()``."""
+@contextlib.contextmanager
+def isolated_compile() -> Iterator[None]:
+    """A compile as each test makes it: from a clean Dynamo cache and fresh fuser backends, with Inductor's graph
+    caches off (a cached graph skips the post-grad passes and their counts); both cleared again after."""
     import torch._functorch.config as functorch_config
-    from torch._inductor.utils import run_and_get_code
 
     import fuser.dynamo_backend
 
-    assert config.inner_compiler == "inductor", config
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+    fuser.dynamo_backend._BACKENDS.clear()
+
+
+@functools.cache
+def inductor_step(model: str, config: fuser.FuserConfig = DEFAULT) -> Step:
+    """One training step of ``MODELS[model]`` through ``fuser.optimize(model, config)`` on ``batch()``."""
+    from torch._inductor.utils import run_and_get_code
+
+    assert config.inner_compiler == "inductor", config
     with (
+        isolated_compile(),
         torch.random.fork_rng(),  # the builders seed the global RNG: the calling test's stays as it was
-        torch._inductor.config.patch(fx_graph_cache=False),
-        functorch_config.patch(enable_autograd_cache=False),
     ):
         built = MODELS[model]()
         run = fuser.optimize(built, config)
@@ -78,6 +89,4 @@ def inductor_step(model: str, config: fuser.FuserConfig = DEFAULT) -> Step:
 
         loss, code = run_and_get_code(step)
         counts = MappingProxyType(dict(fuser.backend(config).post_grad_counts))
-    torch._dynamo.reset()
-    fuser.dynamo_backend._BACKENDS.clear()
     return Step(loss, grads(built), counts, "\n".join(code))

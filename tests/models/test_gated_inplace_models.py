@@ -14,7 +14,7 @@ import torch
 
 import fuser
 from fuser.patterns.gated_mlp import GEGLU, SWIGLU
-from tests.models.inductor_steps import XDIST_GROUP, inductor_step
+from tests.models.inductor_steps import XDIST_GROUP, inductor_step, isolated_compile
 from tests.models.tiny import (
     N_LAYERS,
     assert_same_step,
@@ -81,18 +81,9 @@ def _computed_once_without_the_pass(make):
     """The step with the passes switched off, compiled once for the tests that compare with it (a Dynamo trace of a
     checkpointed peft model: 20-45 s on CPU). The step is a function of fixed seeds (``lora_model``, ``batch``), so
     it is the same whichever test computes it first; it is computed as each of those tests did, from a clean Dynamo
-    cache with Inductor's graph caches off, and the tests only read it."""
-    import torch._functorch.config as functorch_config
-
-    import fuser.dynamo_backend
-
-    torch._dynamo.reset()
-    fuser.dynamo_backend._BACKENDS.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        off = step_without_the_pass(make)
-    torch._dynamo.reset()
-    fuser.dynamo_backend._BACKENDS.clear()
-    return off
+    cache with Inductor's graph caches off (``isolated_compile``), and the tests only read it."""
+    with isolated_compile():
+        return step_without_the_pass(make)
 
 
 @pytest.fixture(scope="module")
