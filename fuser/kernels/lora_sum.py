@@ -119,13 +119,12 @@ def lora_sum_grads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(da in a's dtype, dB in B's dtype), each 0-element where not asked for; ``g`` is read in its own dtype
     (half, or fp32 where the consumer's backward kept it unrounded)."""
-    da, dw = a.new_empty(0), weight.new_empty(0)
     if triton_path(g, a, weight, base_dtypes=FLOAT_DTYPES, allow_triton=allow_triton):
-        if need_a:  # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
-            da = U._forward_triton(g, weight.t(), scale)
-        if need_w:  # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
-            dw = U._dw_triton(a, g, scale, transposed=True)
-        return da, dw
+        # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
+        da = U._forward_triton(g, weight.t(), scale) if need_a else a.new_empty(0)
+        # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
+        return da, U._dw_triton(a, g, scale, transposed=True) if need_w else weight.new_empty(0)
+    da, dw = a.new_empty(0), weight.new_empty(0)
     d = g.to(weight.dtype) * scale  # eager: the cast's backward, then the product's
     if need_a:
         da = (d @ weight).to(a.dtype)

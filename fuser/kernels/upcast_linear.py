@@ -296,9 +296,9 @@ def _dw_triton(
     rows_per_split, splits = _even_splits(n_rows, max_splits, block_m)
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
-        rstd, nw, offset = norm if norm is not None else (partial, None, 0.0)
+        rstd, nw, offset = (norm[0].reshape(-1), norm[1], norm[2]) if norm is not None else (partial, None, 0.0)
         upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
-            dy2, x2, partial, rstd.reshape(-1), partial if nw is None else nw, float(scale), float(offset), n_rows,
+            dy2, x2, partial, rstd, partial if nw is None else nw, float(scale), float(offset), n_rows,
             n_in, n_out, dy2.stride(0), x2.stride(0), rows_per_split, OUT_P=out_p, NORM=norm is not None,
             HAS_NW=nw is not None, **cfg,
         )  # fmt: skip
@@ -359,14 +359,26 @@ def upcast_linear_grads(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool, allow_triton: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dW in W's dtype), each 0-element where not asked for."""
-    fast = triton_path(x, weight, allow_triton)
-    dx, dw = x.new_empty(0), weight.new_empty(0)
-    if need_x:
-        dx = _dx_triton(dy, weight, x.dtype) if fast else (dy @ weight).to(x.dtype)
-    if need_w:
-        rows = dy.reshape(-1, dy.shape[-1])
-        dw = _dw_triton(dy, x) if fast else rows.t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    return dx, dw
+    dx = _linear_dx(dy, x, weight, allow_triton) if need_x else x.new_empty(0)
+    return dx, _linear_dw(dy, x, weight, allow_triton) if need_w else weight.new_empty(0)
+
+
+# upcast_linear_grads' two results, each its own function: the fused ops whose backward includes a linear's
+# (the gated and normed ones) call these, not the custom op, whose wrapper (autograd kernel, dispatcher, output
+# checks) cost 7–118 µs of the H200 host's time a call
+# (benchmarks/results/direct_calls_h200_2026-12-02_1220.md) and does nothing inside another op
+def _linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allow_triton: bool) -> torch.Tensor:
+    """``(dy @ weight).to(x.dtype)``."""
+    if triton_path(x, weight, allow_triton):
+        return _dx_triton(dy, weight, x.dtype)
+    return (dy @ weight).to(x.dtype)
+
+
+def _linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allow_triton: bool) -> torch.Tensor:
+    """``dyᵀ @ x`` in W's dtype."""
+    if triton_path(x, weight, allow_triton):
+        return _dw_triton(dy, x)
+    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
 
 
 @upcast_linear_grads.register_fake
@@ -433,7 +445,7 @@ def upcast_linear_gated_grads(
     forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
     dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None
-    dx = upcast_linear_grads(dy, gate, weight, True, False, allow_triton)[0] if need_x else gate.new_empty(0)
+    dx = _linear_dx(dy, gate, weight, allow_triton) if need_x else gate.new_empty(0)
     return dx, or_empty(dw, weight)
 
 
@@ -453,12 +465,12 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
     step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
     if n_rows <= step:
         x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
-        return upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
+        return _linear_dw(dy, x, weight, allow_triton)
     dw = None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
-        part = upcast_linear_grads(dy2[rows], x, weight, False, True, allow_triton)[1]
+        part = _linear_dw(dy2[rows], x, weight, allow_triton)
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw
@@ -567,14 +579,14 @@ def _normed_setup_context(ctx, inputs, output):
 def upcast_linear_normed_grads(dy, h, rstd, norm_weight, offset, weight, need_x, need_w, allow_triton=True):
     """``upcast_linear_grads`` with x rebuilt from the norm's input ``h`` and ``rstd`` where dW needs it: in the
     weight-gradient kernel on the Triton path, else whole (a transient ``[tokens, in]`` tensor)."""
-    dx = upcast_linear_grads(dy, h, weight, True, False, allow_triton)[0] if need_x else h.new_empty(0)
+    dx = _linear_dx(dy, h, weight, allow_triton) if need_x else h.new_empty(0)
     dw = weight.new_empty(0)
     if need_w:
         if triton_path(h, weight, allow_triton):
             dw = _dw_triton(dy, h, norm=(rstd, norm_weight, offset))
         else:
             x = normed_reference(h, rstd, norm_weight, offset)
-            dw = upcast_linear_grads(dy, x, weight, False, True, allow_triton)[1]
+            dw = _linear_dw(dy, x, weight, allow_triton)
     return dx, dw
 
 
