@@ -86,9 +86,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so fuser's kernels took their form when this module was
+# imported; read here once too (an environment lookup costs 2 µs a call on a CPU like CI's, and every fused op's
+# launch asks, up to a few times)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    """Triton runs kernels through its interpreter (on CPU tensors), not compiled for a GPU."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Triton runs fuser's kernels through its interpreter (on CPU tensors), not compiled for a GPU:
+    ``TRITON_INTERPRET=1`` was set when fuser was imported."""
+    return _INTERPRETING
 
 
 _TRITON_ON_CPU: ContextVar[bool] = ContextVar("fuser_triton_on_cpu", default=False)
@@ -111,16 +118,18 @@ def use_triton(t: torch.Tensor) -> bool:
     """True when the op on ``t`` should launch its Triton kernels."""
     if not HAS_TRITON:
         return False
-    if t.device.type == "cuda":
-        return not interpreting()
-    return t.device.type == "cpu" and interpreting() and _TRITON_ON_CPU.get()
+    if t.is_cuda:  # an attribute, not the device object (1 µs a call on CI's CPU, several a fused op)
+        return not _INTERPRETING
+    return t.is_cpu and _INTERPRETING and _TRITON_ON_CPU.get()
 
 
 def kernel_dtypes(*tensors: torch.Tensor | None, out_dtypes: Iterable[torch.dtype | None] = ()) -> bool:
     """The kernels are written for the dtype of every tensor given and every result dtype asked for (``None`` is
     skipped): fp32, fp16 and bf16. Anything else (fp64, the test oracle's) takes the op's reference path."""
-    dtypes = [t.dtype for t in tensors if t is not None] + [d for d in out_dtypes if d is not None]
-    return all(d in FLOAT_DTYPES for d in dtypes)
+    for t in tensors:
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            return False
+    return all(d is None or d in FLOAT_DTYPES for d in out_dtypes)
 
 
 def triton_runs(x: torch.Tensor, *others: torch.Tensor | None, out_dtypes: Iterable[torch.dtype | None] = ()) -> bool:
