@@ -11,7 +11,7 @@ the Triton kernels run through Triton's interpreter, which is how CI exercises t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -181,15 +181,53 @@ def num_programs_for(t: torch.Tensor, programs_per_sm: int = 4) -> int:
     return 4
 
 
-def as_rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """``t`` as the 2-D ``[rows, n_cols]`` tensor the kernels read (any row stride, unit column stride): a view
-    where one exists (a single column needs no unit stride), else a copy."""
+    where one exists (a single column needs no unit stride), else a copy. ``order`` (from :func:`row_order`): the
+    rows taken in that order of the leading dims, as another tensor of that layout stores them (a view for such a
+    tensor, a copy in that order for any other)."""
+    if order is not None:
+        t = t.permute(order)
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 
-def out_rows(t: torch.Tensor) -> torch.Tensor:
-    """An output buffer as ``[rows, n_cols]``: a view (never a copy, or the kernel's writes would be lost)."""
+def out_rows(t: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """An output buffer as ``[rows, n_cols]`` (rows in ``order``, as :func:`as_rows`): a view (never a copy, or the
+    kernel's writes would be lost; a buffer not laid out in ``order`` raises)."""
+    if order is not None:
+        t = t.permute(order)
     rows = t.view(-1, t.shape[-1])
     assert rows.stride(-1) == 1 or rows.shape[-1] == 1, "fuser: a kernel's output buffer needs unit last stride"
     return rows
+
+
+def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s dims that its storage follows, where that is not its shape's: a dense tensor with unit
+    last stride whose leading dims are permuted in memory (Hugging Face's per-head ``[B, H, T, D]`` q and k, views
+    of ``[B, T, H, D]`` storage). ``None`` for a contiguous tensor or one with gaps.
+
+    A row-wise op (a norm over the last dim) computes each row alone, so it can read such a tensor's rows in
+    storage order, with no copy, and write its results in the same layout: what eager's elementwise ops do with
+    it, and what the next op (RoPE, attention's ``[B·T, H, D]`` rows, the output projection's reshape) reads
+    without a copy."""
+    if t.dim() < 3 or t.stride(-1) != 1 or t.is_contiguous():
+        return None
+    lead = sorted(range(t.dim() - 1), key=t.stride, reverse=True)  # stable: size-1 dims keep their place
+    order = (*lead, t.dim() - 1)
+    return order if t.permute(order).is_contiguous() else None
+
+
+def empty_in_order(
+    shape: Sequence[int], order: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An empty tensor of ``shape`` stored in ``order`` (as :func:`row_order` gives it; contiguous for ``None``);
+    ``order`` may be longer than ``shape`` (a tensor's order, for its per-row statistics: the leading dims' part)."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    order = tuple(d for d in order if d < len(shape))
+    stored = torch.empty([shape[d] for d in order], dtype=dtype, device=device)
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return stored.permute(inverse)

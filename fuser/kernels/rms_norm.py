@@ -254,13 +254,19 @@ def _triton_runs(x: torch.Tensor) -> bool:
     return tt.triton_runs(x) and x.shape[-1] <= _MAX_BLOCK_N
 
 
-def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out) -> None:
-    """The forward kernel into ``out`` (and ``rstd``, ``sum_out`` where given), x and residual read as row views."""
+def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out, order=None) -> None:
+    """The forward kernel into ``out`` (and ``rstd``, ``sum_out`` where given), x and residual read as row views;
+    ``order``: every tensor's rows taken in that order of its dims (:func:`fuser.kernels._triton.row_order`), the
+    outputs laid out in it."""
     n_cols = x.shape[-1]
-    x2 = tt.as_rows(x)
-    r2 = tt.as_rows(residual) if residual is not None else None
+    x2 = tt.as_rows(x, order)
+    r2 = tt.as_rows(residual, order) if residual is not None else None
     weight = norm.weight.contiguous() if norm.weight is not None else None
-    y2 = tt.out_rows(out)
+    y2 = tt.out_rows(out, order)
+    if rstd is not None and order is not None:
+        rstd = rstd.permute(order[:-1]).view(-1)  # stored in that order (raises if not: never written elsewhere)
+    if sum_out is not None and order is not None:
+        sum_out = tt.out_rows(sum_out, order)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps = _launch_config(n_cols)
     if n_rows > 0:
@@ -288,20 +294,27 @@ def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out) -> None:
         )
 
 
-def _launch_backward(dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more=()) -> torch.Tensor | None:
+def _launch_backward(
+    dy, x, norm: Norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more=(), order=None
+) -> torch.Tensor | None:
     """The backward kernel into ``dx`` (and ``dx2_out`` where given); returns dweight (None where not computed).
-    ``dy_more``: up to three more terms of the output gradient (dy's shape), summed with dy in fp32."""
+    ``dy_more``: up to three more terms of the output gradient (dy's shape), summed with dy in fp32. ``order``: the
+    rows in that order of the dims, as :func:`_launch_forward` (not with ``dres``/``dx2_out``); ``dx`` laid out in
+    it, the inputs read as views where they are too, else copied in that order."""
+    if order is not None and (dres is not None or dx2_out is not None):
+        raise ValueError("fuser: rms_norm's backward takes a row order only without dres and dx2_out")
     n_cols = x.shape[-1]
-    x2 = tt.as_rows(x)
+    x2 = tt.as_rows(x, order)
     weight = norm.weight.contiguous() if norm.weight is not None else None
-    dy2 = tt.as_rows(dy)
-    more = [tt.as_rows(t) for t in dy_more]
+    dy2 = tt.as_rows(dy, order)
+    more = [tt.as_rows(t, order) for t in dy_more]
     more_or_dy = [*more, dy2, dy2, dy2][:3]
-    dx2 = tt.out_rows(dx)
+    dx2 = tt.out_rows(dx, order)
     n_rows = x2.shape[0]
     block_m, block_n, num_warps, programs_per_sm = _backward_launch_config(n_cols)
     n_programs = max(1, min(tt.num_programs_for(x, programs_per_sm), tt.cdiv(n_rows, block_m)))
-    rstd = rstd.reshape(-1).contiguous() if rstd is not None else None
+    if rstd is not None:
+        rstd = (rstd.permute(order[:-1]) if order is not None else rstd).reshape(-1).contiguous()
     compute_dw = weight is not None and compute_dweight
     dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     if n_rows > 0:
@@ -356,16 +369,18 @@ def rms_norm_forward(
     out: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
+    order: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The norm of ``x`` (with ``residual``, x's shape: of ``x + residual`` summed in fp32) in ``out_dtype``
     (default x's), computed in fp32 (fp64 for fp64 inputs on the reference path). ``rstd`` (contiguous fp32,
     ``x.shape[:-1]``), when given, receives each row's rstd, and ``sum_out`` (contiguous, x's shape) the sum;
     ``out`` (contiguous, x's shape) receives the result (tests pre-fill it with NaN). ``impl``: ``"triton"``,
-    ``"reference"``, or ``"auto"`` (the kernel where Triton runs and a row fits one block)."""
+    ``"reference"``, or ``"auto"`` (the kernel where Triton runs and a row fits one block). ``order``: x's row order
+    (:func:`fuser.kernels._triton.row_order`), in which ``out``, ``rstd`` and ``sum_out`` are then laid out."""
     out_dtype = out_dtype or x.dtype
     if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
-        out = out if out is not None else torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        _launch_forward(x, norm, out, rstd, residual, sum_out)
+        out = out if out is not None else tt.empty_in_order(x.shape, order, out_dtype, x.device)
+        _launch_forward(x, norm, out, rstd, residual, sum_out, order)
         return out
     wide = x if residual is None else x.to(torch.float32) + residual.to(torch.float32)
     y = _reference_forward(wide, norm, out_dtype)
@@ -398,6 +413,7 @@ def rms_norm_backward(
     dx_out: torch.Tensor | None = None,
     dx2_out: torch.Tensor | None = None,
     dy_more: Sequence[torch.Tensor] = (),
+    order: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx in ``dx_dtype``, default x's; dweight or None). ``rstd`` is the forward's (recomputed when ``None``);
     ``dres`` (x's shape): a gradient added to dx in fp32 (add_rms_norm's sum's); ``dx2_out`` (contiguous, x's
@@ -406,8 +422,9 @@ def rms_norm_backward(
     (the input gradients of the projections the norm feeds). ``impl`` as for :func:`rms_norm_forward`."""
     _check_dy_more(dy, dy_more)
     if tt.takes_triton(impl, impl == "auto" and _triton_runs(x)):
-        dx = dx_out if dx_out is not None else torch.empty(x.shape, dtype=dx_dtype or x.dtype, device=x.device)
-        return dx, _launch_backward(dy, x, norm, compute_dweight, rstd, dres, dx, dx2_out, dy_more)
+        if dx_out is None:
+            dx_out = tt.empty_in_order(x.shape, order, dx_dtype or x.dtype, x.device)
+        return dx_out, _launch_backward(dy, x, norm, compute_dweight, rstd, dres, dx_out, dx2_out, dy_more, order)
     if dy_more:
         total = dy.to(torch.float64 if dy.dtype == torch.float64 else torch.float32)
         for term in dy_more:
@@ -455,8 +472,19 @@ def rms_norm_op(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
         _check_wide(x, x_wide)
         out_dtype = out_dtype or x.dtype
         x = x_wide
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    return rms_norm_forward(x, Norm(weight, eps, offset, norm_dtype), out_dtype, rstd=rstd), rstd
+    out, rstd = _forward_buffers(x, out_dtype or x.dtype)
+    norm = Norm(weight, eps, offset, norm_dtype)
+    return rms_norm_forward(x, norm, out_dtype, out=out, rstd=rstd, order=tt.row_order(x)), rstd
+
+
+def _forward_buffers(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the result, rstd), laid out as x's rows are stored (a per-head q/k view keeps its layout, as eager's
+    elementwise norm keeps it); the op and its fake kernel make the same."""
+    order = tt.row_order(x)
+    return (
+        tt.empty_in_order(x.shape, order, out_dtype, x.device),
+        tt.empty_in_order(x.shape[:-1], order, torch.float32, x.device),
+    )
 
 
 def _check_wide(x: torch.Tensor, x_wide: torch.Tensor) -> None:
@@ -471,7 +499,7 @@ def _check_wide(x: torch.Tensor, x_wide: torch.Tensor) -> None:
 def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
     if x_wide is not None:
         _check_wide(x, x_wide)
-    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return _forward_buffers(x if x_wide is None else x_wide, out_dtype or x.dtype)
 
 
 @torch.library.custom_op(
@@ -487,7 +515,11 @@ def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_d
     """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor). ``dy2``, ``dy3``, ``dy4``: more terms of the
     output gradient (``RmsNormConfig.gradient_sums``: the projections' input gradients), summed with dy in fp32."""
     norm = Norm(weight, eps, offset, norm_dtype)
-    dx, dw = rms_norm_backward(dy, x, norm, compute_dweight, dx_dtype, rstd=rstd, dy_more=_more(dy2, dy3, dy4))
+    order = tt.row_order(x)
+    dx = tt.empty_in_order(x.shape, order, dx_dtype or x.dtype, x.device)
+    _, dw = rms_norm_backward(
+        dy, x, norm, compute_dweight, dx_dtype, rstd=rstd, dx_out=dx, dy_more=_more(dy2, dy3, dy4), order=order
+    )
     return dx, tt.or_empty(dw, x)
 
 
@@ -505,7 +537,7 @@ def _more(*terms: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
 def _(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None, dy3=None, dy4=None):
     _check_dy_more(dy, _more(dy2, dy3, dy4))
     has_dw = weight is not None and compute_dweight
-    dx = x.new_empty(x.shape, dtype=dx_dtype or x.dtype)
+    dx = tt.empty_in_order(x.shape, tt.row_order(x), dx_dtype or x.dtype, x.device)
     return dx, (weight.new_empty(weight.shape) if has_dw else x.new_empty(0))
 
 

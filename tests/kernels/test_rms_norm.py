@@ -521,6 +521,56 @@ def test_op_through_triton_on_cpu(model, gen, monkeypatch, triton_on_cpu):
     assert launched == ["_launch_forward", "_launch_backward"]
 
 
+@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=interpreter)])
+@pytest.mark.parametrize("dy_layout", ["as_x", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_op_keeps_a_per_head_views_layout(path, dy_layout, dtype, gen, triton_on_cpu, monkeypatch):
+    """A q/k norm's input, ``[B, H, T, D]`` viewed from ``[B, T, H, D]`` storage: y, rstd and dx come back in that
+    layout (as eager's elementwise norm keeps it), with no copy of x on the Triton path, and the values of the
+    same norm of the contiguous tensor; a dy in another layout (copied into x's row order) gives the same dx."""
+    triton_on_cpu(path == "triton")
+    copied = []
+    real_as_rows = rms_norm_module.tt.as_rows
+
+    def as_rows(t, order=None):
+        rows = real_as_rows(t, order)
+        if rows.data_ptr() != t.data_ptr():
+            copied.append(tuple(t.shape))
+        return rows
+
+    monkeypatch.setattr(rms_norm_module.tt, "as_rows", as_rows)
+    b, t, h, d = 2, 7, 3, 40
+    x = randn((b, t, h, d), gen, dtype, scale=2.0, shift=0.5).transpose(1, 2)
+    weight = randn(d, gen, dtype, scale=0.5, shift=1.0)
+    dy = randn((b, t, h, d), gen, dtype).transpose(1, 2)
+    if dy_layout == "contiguous":
+        dy = dy.contiguous()
+    y, rstd = torch.ops.fuser.rms_norm(x, weight, 1e-6, 1.0, None, None)
+    assert y.stride() == x.stride() and rstd.stride() == (t * h, 1, h)
+    dx, dw = torch.ops.fuser.rms_norm_backward(dy, x, weight, rstd, 1e-6, 1.0, None, True)
+    assert dx.stride() == x.stride()
+    if path == "triton":  # x and its rstd read in place; only a dy of another layout is copied
+        assert copied == ([tuple(dy.shape)] if dy_layout == "contiguous" else [])
+    y64 = rms_norm_reference_forward(fp64(x).contiguous(), fp64(weight), 1e-6, 1.0)
+    dx64, dw64 = rms_norm_reference_backward(fp64(dy).contiguous(), fp64(x).contiguous(), fp64(weight), 1e-6, 1.0)
+    tol = TOLERANCE[dtype]
+    assert_close("y", y, y64, tol)
+    assert_close("rstd", rstd, torch.rsqrt(fp64(x).pow(2).mean(-1) + 1e-6), TOLERANCE[torch.float32])
+    assert_close("dx", dx, dx64, tol)
+    assert_close("dweight", dw, dw64, tol)
+
+
+def test_opcheck_per_head_view(gen, reference_path):
+    """The fake kernels promise the layouts the op returns for a per-head view (opcheck compares them)."""
+    x = randn((2, 5, 3, 16), gen).transpose(1, 2)
+    w = randn(16, gen)
+    torch.library.opcheck(torch.ops.fuser.rms_norm.default, (x.requires_grad_(), w, 1e-6, 0.0, None, None))
+    x = x.detach()
+    rstd = torch.ops.fuser.rms_norm(x, w, 1e-6, 0.0, None, None)[1]
+    dy = randn((2, 5, 3, 16), gen).transpose(1, 2)
+    torch.library.opcheck(torch.ops.fuser.rms_norm_backward.default, (dy, x, w, rstd, 1e-6, 0.0, None, True))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes, all three dtypes
 # ---------------------------------------------------------------------------------------------------------
