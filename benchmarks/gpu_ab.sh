@@ -49,13 +49,13 @@ done
 python3 - "$R" "${LABELS[@]}" <<'EOF' | tee "$R/ab_$JOB.md"
 import json, pathlib, statistics, sys
 r = pathlib.Path(sys.argv[1])
-print("| run | tokens/s | step ms | host ms | peak GiB | warm-up s | last loss | steps (ms) |")
-print("|---|---:|---:|---:|---:|---:|---:|---|")
+print("| run | tokens/s | step ms | host ms | peak GiB | warm-up s | last loss | steps (ms) | fuser imported from |")
+print("|---|---:|---:|---:|---:|---:|---:|---|---|")
 sides, first = {"A": [], "B": []}, None
 for name in sys.argv[2:]:
     path = r / f"{name}.json"
     if not path.exists():
-        print(f"| {name} | no result | | | | | | |")
+        print(f"| {name} | no result | | | | | | | |")
         continue
     d = json.loads(path.read_text())
     d = d["modes"][next(iter(d["modes"]))] if "modes" in d else d
@@ -66,7 +66,7 @@ for name in sys.argv[2:]:
     steps = " ".join(f"{1e3 * s:.0f}" for s in d["step_s"])
     sides[name[0]].append(d["tokens_per_s"])
     print(f"| {name} | {d['tokens_per_s']:,.0f} | {d['step_ms']:.1f} | {host_ms} | {d.get('peak_gib') or float('nan'):.2f} |"
-          f" {d['warmup_s']:.1f} | {d['last_loss']:.4f} | {steps} |")
+          f" {d['warmup_s']:.1f} | {d['last_loss']:.4f} | {steps} | {d.get('fuser_source')} |")
 if sides["A"] and sides["B"]:
     a, b = statistics.median(sides["A"]), statistics.median(sides["B"])
     print(f"\nmedian tokens/s: A {a:,.0f}, B {b:,.0f}, B ÷ A {b / a:.3f}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import os
 import re
 import shlex
@@ -18,6 +19,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +55,15 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         warmup=args.warmup,
         command=shlex.join([sys.executable, *sys.argv]),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        fuser_source=fuser_source(),
     )
+
+
+def fuser_source() -> str | None:
+    """Where this process imports fuser from (its package directory), without importing it: an A/B of two trees
+    (``benchmarks/gpu_ab.sh``) shows in each run which one it measured."""
+    spec = importlib.util.find_spec("fuser")
+    return str(Path(spec.origin).resolve().parent) if spec is not None and spec.origin else None
 
 
 def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:

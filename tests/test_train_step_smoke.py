@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fuser
 from tests.models.tiny import load_benchmark
 
 
@@ -60,6 +61,8 @@ def test_tiny_lora_job_runs_eager_and_fuser_with_equal_first_losses(train_step, 
         steps = result["warmup_step_s"] + result["step_s"]
         assert len(result["host_s"]) == len(result["gc_s"]) == len(steps) == 3
         assert all(0 < h <= t and 0 <= g <= h for h, g, t in zip(result["host_s"], result["gc_s"], steps, strict=True))
+        # the fuser package the run measured: this checkout's (gpu_ab.sh's A/B reads it)
+        assert result["fuser_source"] == str(Path(fuser.__file__).resolve().parent)
     assert abs(fused["first_loss"] - eager["first_loss"]) <= 1e-4 * abs(eager["first_loss"])
     assert fused["fuser_counts"], "fuser fused nothing in the tiny Llama"
     assert eager["trainable_params"] < eager["params"]  # LoRA: the base is frozen
