@@ -472,15 +472,17 @@ def rms_norm_op(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
         _check_wide(x, x_wide)
         out_dtype = out_dtype or x.dtype
         x = x_wide
-    out, rstd = _forward_buffers(x, out_dtype or x.dtype)
-    norm = Norm(weight, eps, offset, norm_dtype)
-    return rms_norm_forward(x, norm, out_dtype, out=out, rstd=rstd, order=tt.row_order(x)), rstd
-
-
-def _forward_buffers(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the result, rstd), laid out as x's rows are stored (a per-head q/k view keeps its layout, as eager's
-    elementwise norm keeps it); the op and its fake kernel make the same."""
     order = tt.row_order(x)
+    out, rstd = _forward_buffers(x, out_dtype or x.dtype, order)
+    norm = Norm(weight, eps, offset, norm_dtype)
+    return rms_norm_forward(x, norm, out_dtype, out=out, rstd=rstd, order=order), rstd
+
+
+def _forward_buffers(
+    x: torch.Tensor, out_dtype: torch.dtype, order: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the result, rstd), laid out in ``order``, x's row order (a per-head q/k view keeps its layout, as eager's
+    elementwise norm keeps it); the op and its fake kernel make the same."""
     return (
         tt.empty_in_order(x.shape, order, out_dtype, x.device),
         tt.empty_in_order(x.shape[:-1], order, torch.float32, x.device),
@@ -499,7 +501,8 @@ def _check_wide(x: torch.Tensor, x_wide: torch.Tensor) -> None:
 def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
     if x_wide is not None:
         _check_wide(x, x_wide)
-    return _forward_buffers(x if x_wide is None else x_wide, out_dtype or x.dtype)
+    normed = x if x_wide is None else x_wide
+    return _forward_buffers(normed, out_dtype or x.dtype, tt.row_order(normed))
 
 
 @torch.library.custom_op(

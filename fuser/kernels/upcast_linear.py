@@ -359,24 +359,26 @@ def upcast_linear_grads(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool, allow_triton: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dW in W's dtype), each 0-element where not asked for."""
-    dx = _linear_dx(dy, x, weight, allow_triton) if need_x else x.new_empty(0)
-    return dx, _linear_dw(dy, x, weight, allow_triton) if need_w else weight.new_empty(0)
+    fast = triton_path(x, weight, allow_triton)
+    dx = _linear_dx(dy, x, weight, fast) if need_x else x.new_empty(0)
+    return dx, _linear_dw(dy, x, weight, fast) if need_w else weight.new_empty(0)
 
 
 # upcast_linear_grads' two results, each its own function: the fused ops whose backward includes a linear's
 # (the gated and normed ones) call these, not the custom op, whose wrapper (autograd kernel, dispatcher, output
 # checks) cost 7–118 µs of the H200 host's time a call
-# (benchmarks/results/direct_calls_h200_2026-12-02_1220.md) and does nothing inside another op
-def _linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allow_triton: bool) -> torch.Tensor:
+# (benchmarks/results/direct_calls_h200_2026-12-02_1220.md) and does nothing inside another op. ``fast``: the
+# caller's ``triton_path(x, weight, allow_triton)``, asked once per op
+def _linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
     """``(dy @ weight).to(x.dtype)``."""
-    if triton_path(x, weight, allow_triton):
+    if fast:
         return _dx_triton(dy, weight, x.dtype)
     return (dy @ weight).to(x.dtype)
 
 
-def _linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, allow_triton: bool) -> torch.Tensor:
+def _linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
     """``dyᵀ @ x`` in W's dtype."""
-    if triton_path(x, weight, allow_triton):
+    if fast:
         return _dw_triton(dy, x)
     return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
 
@@ -445,7 +447,7 @@ def upcast_linear_gated_grads(
     forward: one op that reads ``dy``, so the recompute belongs to the backward (a separate call of the gated op
     would be merged with the forward's by common-subexpression elimination, and its output saved again)."""
     dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None
-    dx = _linear_dx(dy, gate, weight, allow_triton) if need_x else gate.new_empty(0)
+    dx = _linear_dx(dy, gate, weight, triton_path(gate, weight, allow_triton)) if need_x else gate.new_empty(0)
     return dx, or_empty(dw, weight)
 
 
@@ -462,15 +464,16 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
     gate2, up2 = gate.reshape(-1, n_cols), up.reshape(-1, n_cols)
     dy2 = dy.reshape(-1, dy.shape[-1])
     n_rows = gate2.shape[0]
+    fast = triton_path(gate, weight, allow_triton)  # the product has gate's dtype and device
     step = max(256, GATED_RECOMPUTE_BYTES // max(1, n_cols * gate.element_size()) // 256 * 256)
     if n_rows <= step:
         x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
-        return _linear_dw(dy, x, weight, allow_triton)
+        return _linear_dw(dy, x, weight, fast)
     dw = None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
-        part = _linear_dw(dy2[rows], x, weight, allow_triton)
+        part = _linear_dw(dy2[rows], x, weight, fast)
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw
@@ -579,14 +582,15 @@ def _normed_setup_context(ctx, inputs, output):
 def upcast_linear_normed_grads(dy, h, rstd, norm_weight, offset, weight, need_x, need_w, allow_triton=True):
     """``upcast_linear_grads`` with x rebuilt from the norm's input ``h`` and ``rstd`` where dW needs it: in the
     weight-gradient kernel on the Triton path, else whole (a transient ``[tokens, in]`` tensor)."""
-    dx = _linear_dx(dy, h, weight, allow_triton) if need_x else h.new_empty(0)
+    fast = triton_path(h, weight, allow_triton)
+    dx = _linear_dx(dy, h, weight, fast) if need_x else h.new_empty(0)
     dw = weight.new_empty(0)
     if need_w:
-        if triton_path(h, weight, allow_triton):
+        if fast:
             dw = _dw_triton(dy, h, norm=(rstd, norm_weight, offset))
         else:
             x = normed_reference(h, rstd, norm_weight, offset)
-            dw = _linear_dw(dy, x, weight, allow_triton)
+            dw = _linear_dw(dy, x, weight, fast)
     return dx, dw
 
 
