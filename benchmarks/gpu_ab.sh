@@ -48,6 +48,8 @@ for i in $(seq 1 "${RUNS:-2}"); do
 done
 python3 - "$R" "${LABELS[@]}" <<'EOF' | tee "$R/ab_$JOB.md"
 import json, pathlib, statistics, sys
+sys.path.insert(0, "benchmarks")
+from train_step_report import fmt, one_mode, timed_host_ms
 r = pathlib.Path(sys.argv[1])
 print("| run | tokens/s | step ms | host ms | peak GiB | warm-up s | last loss | steps (ms) | fuser imported from |")
 print("|---|---:|---:|---:|---:|---:|---:|---|---|")
@@ -58,11 +60,9 @@ for name in sys.argv[2:]:
         print(f"| {name} | no result | | | | | | | |")
         continue
     d = json.loads(path.read_text())
-    d = d["modes"][next(iter(d["modes"]))] if "modes" in d else d
+    d = one_mode(d)
     first = first or d
-    timed = len(d["step_s"])
-    host = sorted(d.get("host_s", [])[-timed:])
-    host_ms = f"{1e3 * host[len(host) // 2]:.1f}" if host else "–"
+    host_ms = fmt(timed_host_ms(d), ".1f")
     steps = " ".join(f"{1e3 * s:.0f}" for s in d["step_s"])
     sides[name[0]].append(d["tokens_per_s"])
     print(f"| {name} | {d['tokens_per_s']:,.0f} | {d['step_ms']:.1f} | {host_ms} | {d.get('peak_gib') or float('nan'):.2f} |"

@@ -56,6 +56,8 @@ for variant in "${VARIANT_LIST[@]}"; do
 done
 python3 - "$R" "${LABELS[@]}" <<'EOF' | tee "$R/variants_$JOB.md"
 import json, pathlib, sys
+sys.path.insert(0, "benchmarks")
+from train_step_report import fmt, one_mode, timed_gc_ms, timed_host_ms
 r = pathlib.Path(sys.argv[1])
 print("| run | tokens/s | step ms | host ms | GC ms | peak GiB | warm-up s | last loss | fused |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -67,14 +69,10 @@ for name in sys.argv[2:]:
         print(f"| {label} | no result | | | | | |")
         continue
     d = json.loads(path.read_text())
-    d = d["modes"][next(iter(d["modes"]))] if "modes" in d else d
+    d = one_mode(d)
     first = first or d
     counts = d.get("fuser_counts", "")
-    # the timed steps' median host (launch) time and their summed GC time (older JSON: none)
-    timed = len(d["step_s"])
-    host = sorted(d.get("host_s", [])[-timed:]) if timed else []
-    host_ms = f"{1e3 * host[len(host) // 2]:.1f}" if host else "–"
-    gc_ms = f"{1e3 * sum(d['gc_s'][-timed:]):.1f}" if d.get("gc_s") and timed else "–"
+    host_ms, gc_ms = fmt(timed_host_ms(d), ".1f"), fmt(timed_gc_ms(d), ".1f")
     print(f"| {d['mode']} {label if name.startswith('fuser') else ''} | {d['tokens_per_s']:,.0f} | {d['step_ms']:.1f} |"
           f" {host_ms} | {gc_ms} | {d.get('peak_gib') or float('nan'):.2f} | {d['warmup_s']:.1f} |"
           f" {d['last_loss']:.4f} | {counts} |")

@@ -51,6 +51,24 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def one_mode(record: dict[str, Any]) -> dict[str, Any]:
+    """A train_step.py JSON file's record of one mode (an ``--all-modes`` file: its first mode's)."""
+    return record["modes"][next(iter(record["modes"]))] if "modes" in record else record
+
+
+def timed_host_ms(result: dict[str, Any]) -> float | None:
+    """The median host (launch) time of a run's timed steps, in ms; None for a run without them (older JSON)."""
+    timed = len(result["step_s"])
+    host = sorted(result.get("host_s", [])[-timed:]) if timed else []
+    return 1e3 * host[len(host) // 2] if host else None
+
+
+def timed_gc_ms(result: dict[str, Any]) -> float | None:
+    """The garbage collector's time summed over a run's timed steps, in ms; None for a run without it."""
+    timed = len(result["step_s"])
+    return 1e3 * sum(result["gc_s"][-timed:]) if result.get("gc_s") and timed else None
+
+
 def results_table(job_name: str, results: dict[str, dict[str, Any]], command: str, note: str = "") -> str:
     """The markdown report of one job: a row per mode, then fuser's ratios against the issue's targets."""
     job = JOBS[job_name]
