@@ -23,6 +23,16 @@ def inductor_compile(
     return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
+def cudagraph_skips() -> int:
+    """How many times Inductor has declined to record a compiled graph as a CUDA graph in this process (its
+    ``counters["inductor"]["cudagraph_skips"]``; 0 where torch keeps no such counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"].get("cudagraph_skips", 0))
+
+
 def register_inductor_fallbacks(namespace: str) -> int:
     """Give every registered ``namespace::`` custom op the fallback lowering Inductor would create for it on first
     sight (the layout constraint its tags ask for), before Inductor sees it; returns how many were new.

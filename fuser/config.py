@@ -54,6 +54,18 @@ class FuserConfig:
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
                      one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
                      Inductor's zero-filled fp32 buffer, scatter and cast.
+    cuda_graphs:     Inductor records the compiled forward and backward graphs as CUDA graphs and replays them
+                     (its ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on; default ``False``). A step
+                     then costs the host microseconds instead of a launch per kernel, for models whose step is
+                     host-bound (many short kernels: Gemma-3-4B LoRA on an H200). The costs: more GPU memory (the
+                     graphs' own memory pool: +7.3 GiB on that model), one recording per new input shape (pad
+                     batches to a few fixed lengths), and a step's outputs are overwritten by the next replay
+                     (``.clone()`` what is kept; a loop that does not run forward then backward each step calls
+                     ``torch.compiler.cudagraph_mark_step_begin()`` first). A graph Inductor will not record (CPU
+                     tensors, an input mutated in place) runs as before, with a warning. Needs
+                     ``inner_compiler="inductor"``. Measured in plain training loops only: under
+                     ``transformers.Trainer`` (bf16, gradient accumulation) its first GPU test failed with torch's
+                     "accessing tensor output of CUDAGraphs that has been overwritten" (not yet supported there).
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
@@ -87,6 +99,7 @@ class FuserConfig:
     ignore_logging: bool = True
     direct_calls: bool = True
     embedding_grads: bool = True
+    cuda_graphs: bool = False
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -98,10 +111,15 @@ class FuserConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
-        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls", "embedding_grads"):
+        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls", "embedding_grads", "cuda_graphs"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")
+        if self.cuda_graphs and self.inner_compiler != "inductor":
+            raise ValueError(
+                f"fuser: cuda_graphs=True records Inductor's compiled graphs; inner_compiler={self.inner_compiler!r} "
+                "compiles none. Use inner_compiler='inductor' (the default) or leave cuda_graphs off"
+            )
         if self.patterns is not None:
             if isinstance(self.patterns, str):
                 raise TypeError(

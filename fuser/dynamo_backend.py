@@ -128,6 +128,7 @@ class FuserBackend:
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
         self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
         self._warned_ddp_buckets = False
+        self._warned_cudagraph_skip = False
 
     @property
     def counts(self) -> dict[str, int]:
@@ -164,7 +165,28 @@ class FuserBackend:
             return _compat.lookup_dynamo_backend("aot_eager")(gm, example_inputs)
         post_grad = _post_grad_pass(self.config, self.post_grad_counts)
         direct_calls.register()  # before Inductor gives fuser's ops (these overloads among them) their fallbacks
-        return _compat.inductor_compile(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post_grad})
+        patches: dict[str, Any] = {"post_grad_custom_post_pass": post_grad}
+        if not self.config.cuda_graphs:
+            return _compat.inductor_compile(gm, example_inputs, config_patches=patches)
+        patches["triton.cudagraphs"] = True
+        skips = _compat.cudagraph_skips()
+        compiled = _compat.inductor_compile(gm, example_inputs, config_patches=patches)
+        if _compat.cudagraph_skips() > skips:
+            self._warn_cudagraph_skip()
+        return compiled
+
+    def _warn_cudagraph_skip(self) -> None:
+        """Once per backend: ``cuda_graphs`` is on and Inductor declined to record a graph it compiled."""
+        if self._warned_cudagraph_skip:
+            return
+        self._warned_cudagraph_skip = True
+        warnings.warn(
+            "fuser: FuserConfig(cuda_graphs=True), but Inductor will not record one of this model's compiled graphs "
+            "as a CUDA graph (e.g. it has CPU tensors, or an input is mutated in place); that graph launches its "
+            "kernels one by one as without cuda_graphs. Run with TORCH_LOGS=cudagraphs to see Inductor's reason.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         start = time.perf_counter()
