@@ -63,9 +63,12 @@ class FuserConfig:
                      (``.clone()`` what is kept; a loop that does not run forward then backward each step calls
                      ``torch.compiler.cudagraph_mark_step_begin()`` first). A graph Inductor will not record (CPU
                      tensors, an input mutated in place) runs as before, with a warning. Needs
-                     ``inner_compiler="inductor"``. Measured in plain training loops only: under
-                     ``transformers.Trainer`` (bf16, gradient accumulation) its first GPU test failed with torch's
-                     "accessing tensor output of CUDAGraphs that has been overwritten" (not yet supported there).
+                     ``inner_compiler="inductor"``. **Not with gradient accumulation** (``transformers.Trainer``'s
+                     ``gradient_accumulation_steps > 1`` among them): where ``.grad`` is ``None``, autograd keeps the
+                     backward graph's output buffer as ``.grad``, and the next micro-batch's replay overwrites it.
+                     torch then raises "accessing tensor output of CUDAGraphs that has been overwritten" (PyTorch
+                     issue 169545; a Trainer run failed so on the H200), and a report there (issue 96693) shows
+                     gradients summed wrong without an error. Use it where each optimizer step runs one backward.
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left

@@ -131,10 +131,10 @@ def _trainer_losses(model, out_dir, bf16: bool) -> list[float]:
 @pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
-    reason="measured on the H200 on 2026-12-03 (benchmarks/results/cuda_graphs_h200_2026-12-03.md): the fused run's "
-    "backward raised torch's 'accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run' "
-    "for a tensor saved at embed_tokens; the cause is not yet found (the test shared its process with the other "
-    "GPU tests here, under pytest -n 4)",
+    reason="measured on the H200 on 2026-12-03 (benchmarks/results/cuda_graphs_h200_2026-12-03.md): the second "
+    "micro-batch's backward raised torch's 'accessing tensor output of CUDAGraphs that has been overwritten by a "
+    "subsequent run': with .grad None, autograd kept the first backward replay's output buffer as .grad (PyTorch "
+    "issue 169545). FuserConfig.cuda_graphs documents it as unsupported with gradient accumulation",
 )
 def test_gpu_trainer_bf16_autocast_with_cuda_graphs_trains_like_eager(tmp_path):
     """The setting a user runs: ``fuser.optimize_(model, {"cuda_graphs": True})`` under ``transformers.Trainer``
