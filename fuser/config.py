@@ -62,7 +62,9 @@ class FuserConfig:
                      batches to a few fixed lengths), and a step's outputs are overwritten by the next replay
                      (``.clone()`` what is kept; a loop that does not run forward then backward each step calls
                      ``torch.compiler.cudagraph_mark_step_begin()`` first). A graph Inductor will not record (CPU
-                     tensors, an input mutated in place) runs as before, with a warning. Needs
+                     tensors, an input mutated in place) runs as before; fuser warns where Inductor declines it
+                     while fuser compiles the forward (a backward compiles later: ``TORCH_LOGS=cudagraphs`` shows
+                     every graph declined). Needs
                      ``inner_compiler="inductor"``. **Not with gradient accumulation** (``transformers.Trainer``'s
                      ``gradient_accumulation_steps > 1`` among them): where ``.grad`` is ``None``, autograd keeps the
                      backward graph's output buffer as ``.grad``, and the next micro-batch's replay overwrites it.
