@@ -70,7 +70,8 @@ class FuserConfig:
                      backward graph's output buffer as ``.grad``, and the next micro-batch's replay overwrites it.
                      torch then raises "accessing tensor output of CUDAGraphs that has been overwritten" (PyTorch
                      issue 169545; a Trainer run failed so on the H200), and a report there (issue 96693) shows
-                     gradients summed wrong without an error. Use it where each optimizer step runs one backward.
+                     gradients summed wrong without an error. Use it where each optimizer step runs one backward
+                     (``fuser.FuserCallback`` refuses a Trainer run with accumulation before its first step).
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
