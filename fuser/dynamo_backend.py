@@ -127,8 +127,7 @@ class FuserBackend:
         self.post_grad_counts: dict[str, int] = {}
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
         self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
-        self._warned_ddp_buckets = False
-        self._warned_cudagraph_skip = False
+        self._warned: set[str] = set()  # the once-per-backend warnings already given (_warn_once's keys)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -172,21 +171,22 @@ class FuserBackend:
         skips = _compat.cudagraph_skips()
         compiled = _compat.inductor_compile(gm, example_inputs, config_patches=patches)
         if _compat.cudagraph_skips() > skips:
-            self._warn_cudagraph_skip()
+            # cuda_graphs is on and Inductor declined to record a graph it compiled
+            self._warn_once(
+                "cudagraph_skip",
+                "fuser: FuserConfig(cuda_graphs=True), but Inductor will not record one of this model's compiled "
+                "graphs as a CUDA graph (e.g. it has CPU tensors, or an input is mutated in place); that graph "
+                "launches its kernels one by one as without cuda_graphs. Run with TORCH_LOGS=cudagraphs to see "
+                "Inductor's reason.",
+            )
         return compiled
 
-    def _warn_cudagraph_skip(self) -> None:
-        """Once per backend: ``cuda_graphs`` is on and Inductor declined to record a graph it compiled."""
-        if self._warned_cudagraph_skip:
+    def _warn_once(self, key: str, message: str) -> None:
+        """``message`` as a RuntimeWarning, once per backend for each ``key``."""
+        if key in self._warned:
             return
-        self._warned_cudagraph_skip = True
-        warnings.warn(
-            "fuser: FuserConfig(cuda_graphs=True), but Inductor will not record one of this model's compiled graphs "
-            "as a CUDA graph (e.g. it has CPU tensors, or an input is mutated in place); that graph launches its "
-            "kernels one by one as without cuda_graphs. Run with TORCH_LOGS=cudagraphs to see Inductor's reason.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        self._warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)  # the line that called _warn_once's caller
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         start = time.perf_counter()
@@ -246,17 +246,13 @@ class FuserBackend:
     def _warn_ddp_buckets(self) -> None:
         """Once per backend: DDP hands fuser its graph in pieces, one per gradient bucket, and a block split
         between two pieces cannot be matched (and is not reported as declined: neither piece holds all of it)."""
-        if self._warned_ddp_buckets:
-            return
-        self._warned_ddp_buckets = True
-        warnings.warn(
+        self._warn_once(
+            "ddp_buckets",
             "fuser: torch.compile splits this DistributedDataParallel model's graph at its gradient-bucket borders "
             "(Dynamo's DDPOptimizer), and a block whose ops land in two buckets, such as a gated MLP's gate and up "
             "projections, is not fused. fuser.report(model).counts shows what fused. To fuse across the borders, "
             "set torch._dynamo.config.optimize_ddp = False before compiling (one graph; DDP's all-reduce then "
             "starts after the backward instead of overlapping it), or raise DDP's bucket_cap_mb.",
-            RuntimeWarning,
-            stacklevel=2,
         )
 
     def report(self) -> Report:
