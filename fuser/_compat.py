@@ -33,6 +33,17 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
+def is_compiled_backward(node: Any) -> bool:
+    """Whether the autograd node ``node`` is the backward of an AOT-autograd compiled graph (its
+    ``autograd.Function`` is named ``CompiledFunction``)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Whether the autograd node ``node`` accumulates into a leaf's ``.grad`` (it has ``.variable``)."""
+    return type(node).__name__ == "AccumulateGrad"
+
+
 def register_inductor_fallbacks(namespace: str) -> int:
     """Give every registered ``namespace::`` custom op the fallback lowering Inductor would create for it on first
     sight (the layout constraint its tags ask for), before Inductor sees it; returns how many were new.

@@ -65,13 +65,10 @@ class FuserConfig:
                      tensors, an input mutated in place) runs as before; fuser warns where Inductor declines it
                      while fuser compiles the forward (a backward compiles later: ``TORCH_LOGS=cudagraphs`` shows
                      every graph declined). Needs
-                     ``inner_compiler="inductor"``. **Not with gradient accumulation** (``transformers.Trainer``'s
-                     ``gradient_accumulation_steps > 1`` among them): where ``.grad`` is ``None``, autograd keeps the
-                     backward graph's output buffer as ``.grad``, and the next micro-batch's replay overwrites it.
-                     torch then raises "accessing tensor output of CUDAGraphs that has been overwritten" (PyTorch
-                     issue 169545; a Trainer run failed so on the H200), and a report there (issue 96693) shows
-                     gradients summed wrong without an error. Use it where each optimizer step runs one backward
-                     (``fuser.FuserCallback`` refuses a Trainer run with accumulation before its first step).
+                     ``inner_compiler="inductor"``. Gradient accumulation works: where ``.grad`` was ``None``,
+                     autograd keeps the backward replay's output buffer itself as ``.grad`` (PyTorch issue 169545),
+                     and fuser copies it out of the graphs' memory before the next call replays over it
+                     (``fuser/engine/graph_pool_grads.py``); without accumulation nothing is copied.
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left

@@ -16,7 +16,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
-from fuser.engine import direct_calls
+from fuser.engine import direct_calls, graph_pool_grads
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
@@ -169,7 +169,10 @@ class FuserBackend:
             return _compat.inductor_compile(gm, example_inputs, config_patches=patches)
         patches["triton.cudagraphs"] = True
         skips = _compat.cudagraph_skips()
-        compiled = _compat.inductor_compile(gm, example_inputs, config_patches=patches)
+        # a replay writes the pool memory autograd may have kept as a parameter's .grad: moved out before it
+        compiled = graph_pool_grads.keeping_grads_out_of_pool(
+            _compat.inductor_compile(gm, example_inputs, config_patches=patches)
+        )
         if _compat.cudagraph_skips() > skips:
             # cuda_graphs is on and Inductor declined to record a graph it compiled
             self._warn_once(

@@ -51,13 +51,6 @@ class FuserCallback(TrainerCallback):
             log.addHandler(self._handler)
             log.setLevel(logging.INFO)
         found = _backend_of(model)
-        if found is not None and found.config.cuda_graphs and getattr(args, "gradient_accumulation_steps", 1) > 1:
-            raise ValueError(
-                "fuser: FuserConfig(cuda_graphs=True) does not support gradient accumulation yet "
-                f"(gradient_accumulation_steps={args.gradient_accumulation_steps}): the second micro-batch's replay "
-                "overwrites the gradient autograd kept from the first (PyTorch issue 169545). Set "
-                "gradient_accumulation_steps=1 (a larger per_device_train_batch_size), or leave cuda_graphs off"
-            )
         if found is None:
             warnings.warn(
                 "fuser: the trainer's model was not given to fuser.optimize_, so nothing will be fused; call "

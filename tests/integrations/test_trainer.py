@@ -317,18 +317,6 @@ def test_callback_warns_when_the_trainer_bypasses_fuser(tmp_path):
     assert any("not given to fuser.optimize_" in str(w.message) for w in caught)
 
 
-def test_callback_refuses_cuda_graphs_with_gradient_accumulation_before_training(tmp_path):
-    """FuserConfig(cuda_graphs=True) with gradient accumulation fails on the GPU mid-run (PyTorch issue 169545):
-    the callback says so before the first step, and a run without accumulation is not refused."""
-    model = fuser.optimize_(tiny("llama"), {"cuda_graphs": True})
-    trainer = make_trainer("trainer", model, tmp_path / "cg", bf16=False, steps=1)  # accumulation 2
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
-        trainer.train()
-    assert not fuser.report(model).graphs  # refused before anything compiled
-    single = transformers.TrainingArguments(output_dir=str(tmp_path / "one"), gradient_accumulation_steps=1)
-    fuser.FuserCallback().on_train_begin(single, None, None, model=model)  # no accumulation: not refused
-
-
 def test_callback_puts_fused_counts_into_the_logs(tmp_path):
     model = fuser.optimize_(tiny("llama"), OPTIONS)
     trainer = make_trainer("trainer", model, tmp_path / "logs", bf16=False, steps=2)
