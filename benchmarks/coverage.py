@@ -312,7 +312,8 @@ def _is_gated_mlp_module(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _count_rotary_calls(model: torch.nn.Module, counter: Counter):
-    """Wrap every function and method named *rot*apply* of the model's modeling modules; outermost calls count."""
+    """Wrap every function and method named *rot*apply* of the model's modeling modules (and the forward of such a
+    function turned into a module); outermost calls count."""
     modules = {
         sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__.startswith("transformers")
     }
@@ -337,6 +338,10 @@ def _count_rotary_calls(model: torch.nn.Module, counter: Counter):
             lower = name.lower()
             if inspect.isfunction(obj) and "rot" in lower and "apply" in lower:
                 patched.append((mod, name, obj))
+            elif isinstance(obj, torch.nn.Module) and "rot" in lower and "apply" in lower:
+                # transformers >= 5.25 with the `kernels` package: the function became a module (its class made
+                # for it alone), which each attention layer calls through a private instance of the same class
+                patched.append((type(obj), "forward", type(obj).forward))
             elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
                 for attr, fn in list(vars(obj).items()):
                     if inspect.isfunction(fn) and "rot" in attr.lower() and "apply" in attr.lower():

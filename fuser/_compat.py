@@ -168,6 +168,17 @@ def dynamo_ignoring_logging(functions: Sequence[Callable[..., Any]]) -> contextl
     return ignoring()
 
 
+def dynamo_allowing_checkpoint_side_effects() -> contextlib.AbstractContextManager[None]:
+    """A context in which Dynamo traces a checkpointed region that mutates Python state (the mutation applied once,
+    not replayed in the backward's recompute) instead of skipping the frame: its
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``, restored on exit; a no-op where torch lacks it."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 class IgnoredFunction(str):
     """A function in Dynamo's set of logging functions to skip, standing in for it: hashed as the function and equal
     to it, so Dynamo's ``method in ignore_set or function in ignore_set`` finds it, and a string (the function's
@@ -232,9 +243,14 @@ def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]]
 
 def dynamo_graph_break_messages() -> dict[str, int]:
     """Dynamo's count of each graph-break message so far in this process (the messages ``TORCH_LOGS=graph_breaks``
-    prints), a copy; empty where the counters are missing."""
+    prints), a copy; empty where the counters are missing. Its ``unimplemented`` messages are counted too: where
+    Dynamo gives up on a whole frame and runs it eagerly ("Skipping the function and falling back to eager", as for
+    a side effect inside ``torch.utils.checkpoint``) that is the only record of why."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
         return {}
-    return dict(counters.get("graph_break", {}))
+    merged = dict(counters.get("graph_break", {}))
+    for message, n in counters.get("unimplemented", {}).items():
+        merged[message] = merged.get(message, 0) + n
+    return merged

@@ -48,6 +48,14 @@ class FuserConfig:
                      GPT-2-style model's ``loss_function`` logs one between its lm_head and its loss, which could
                      not fuse across the break. Their message is then not printed by compiled code. Scoped to
                      those calls (``fuser/tracing.py``); ``torch.compile(m, backend="fuser")`` cannot apply it.
+    checkpoint_side_effects: while Dynamo traces those same calls, a gradient-checkpointed layer that changes
+                     Python state is traced, not run eagerly (default ``True``): Dynamo then applies the change
+                     once, in the forward, and does not replay it when the backward recomputes the layer (its
+                     ``skip_fwd_side_effects_in_bwd_under_checkpoint``). transformers >= 5.25 with the ``kernels``
+                     package sets and restores a context variable in each attention layer's forward (its kernel
+                     routing), so without this every checkpointed decoder layer breaks the graph and nothing in
+                     it fuses: TRL's ``SFTTrainer``, which checkpoints by default, among them. Set ``False`` for a
+                     model whose checkpointed layers need a side effect replayed. Scoped like ``ignore_logging``.
     direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
                      ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
                      past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
@@ -100,6 +108,7 @@ class FuserConfig:
     keep_logits: bool = False
     strict: bool = False
     ignore_logging: bool = True
+    checkpoint_side_effects: bool = True
     direct_calls: bool = True
     embedding_grads: bool = True
     cuda_graphs: bool = False
@@ -114,7 +123,15 @@ class FuserConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
-        for name in ("keep_logits", "strict", "ignore_logging", "direct_calls", "embedding_grads", "cuda_graphs"):
+        for name in (
+            "keep_logits",
+            "strict",
+            "ignore_logging",
+            "checkpoint_side_effects",
+            "direct_calls",
+            "embedding_grads",
+            "cuda_graphs",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"fuser: FuserConfig.{name} must be True or False, got {value!r}")

@@ -324,8 +324,9 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
 
     With ``FuserConfig.ignore_logging`` (default), each call of the result runs with Dynamo skipping the logging
     methods that print at most once (``logger.warning_once``) while it traces, so they do not break the graph
-    (``fuser/tracing.py``); their message is then not printed by compiled code. That is scoped to these calls:
-    Dynamo's global configuration is as it was outside them.
+    (``fuser/tracing.py``); their message is then not printed by compiled code. ``FuserConfig.checkpoint_side_effects``
+    (default) likewise lets Dynamo trace a gradient-checkpointed layer that sets and restores Python state. Both are
+    scoped to these calls: Dynamo's global configuration is as it was outside them.
     """
     _check_module(model, "optimize")
     chosen = backend(config)
@@ -338,7 +339,7 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
 def _scope_calls(compiled: torch.nn.Module, config: FuserConfig) -> None:
     """Make each call of ``compiled`` run inside :func:`fuser.tracing.tracing_context` where ``config`` sets
     anything there."""
-    if config.ignore_logging:
+    if config.ignore_logging or config.checkpoint_side_effects:
         _compat.within_each_call(compiled, lambda: tracing_context(config))
 
 
@@ -350,7 +351,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     model they expect. Apply it to the model the trainer calls: after ``get_peft_model``, and to
     ``trainer.model`` when the trainer wraps the model itself (``SFTTrainer(peft_config=...)``).
 
-    ``FuserConfig.ignore_logging`` applies to the model's compiled calls as in :func:`optimize`.
+    ``FuserConfig.ignore_logging`` and ``checkpoint_side_effects`` apply to the model's compiled calls as in
+    :func:`optimize`.
     """
     _check_module(model, "optimize_")
     if _compat.is_compiled_wrapper(model):

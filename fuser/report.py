@@ -148,10 +148,22 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     with tracing_context(config):
         torch.compile(target, backend=capture)(*args, **kwargs)
     for message, n in _compat.dynamo_graph_break_messages().items():
-        first = message.strip().splitlines()[0] if message.strip() else ""
+        first = _in_brief(message)
+        if "skip_fwd_side_effects_in_bwd_under_checkpoint" in message and first:
+            first += "; FuserConfig(checkpoint_side_effects=True), the default, has Dynamo trace such a layer"
         if n > messages_before.get(message, 0) and first and first not in report.break_messages:
             report.break_messages.append(first)
     report.counts = count_by_pattern(report.matches)
     report.runs = [graph_runs[i] for i in graph_of_match]
     report.graph_breaks = max(report.graphs - 1, 0)
     return report
+
+
+def _in_brief(message: str) -> str:
+    """A Dynamo graph-break message's first line, with its ``Explanation:`` line where it has one (its first line
+    alone can be a bare category, "HOP: Unsafe side effect")."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)
+    return f"{lines[0]} ({explanation.removeprefix('Explanation:').strip()})" if explanation else lines[0]

@@ -9,6 +9,13 @@ those calls; the message is then not printed by compiled code. Dynamo's ``reorde
 would print it after the graph instead, does not reach methods of a logger (only plain functions such as
 ``print``), so skipping is the one way to keep the graph whole.
 
+With ``FuserConfig.checkpoint_side_effects`` (default ``True``) Dynamo traces a gradient-checkpointed layer that
+sets Python state instead of running the whole layer eagerly: transformers >= 5.25, with the ``kernels`` package
+it installs, sets and restores a context variable in each attention layer's forward to route its kernels, and
+Dynamo refuses any mutation inside ``torch.utils.checkpoint`` unless told the change need not be replayed when
+the backward recomputes the layer (``skip_fwd_side_effects_in_bwd_under_checkpoint``). A set-and-restore leaves
+nothing to replay.
+
 Only Dynamo's tracing of fuser's own compiled calls is affected: the setting is entered around each call and
 restored after it, never at import and never for other compiled code. ``torch.compile(model, backend="fuser")``
 gives a backend no way to wrap its calls: there the break stays, and ``fuser.explain`` (with
@@ -38,6 +45,9 @@ def skipped_logging_calls() -> list[Any]:
 
 def tracing_context(config: FuserConfig) -> contextlib.AbstractContextManager[Any]:
     """The context each call compiled through fuser with ``config`` runs in (see the module docstring)."""
-    if not config.ignore_logging:
-        return contextlib.nullcontext()
-    return _compat.dynamo_ignoring_logging(skipped_logging_calls())
+    stack = contextlib.ExitStack()
+    if config.ignore_logging:
+        stack.enter_context(_compat.dynamo_ignoring_logging(skipped_logging_calls()))
+    if config.checkpoint_side_effects:
+        stack.enter_context(_compat.dynamo_allowing_checkpoint_side_effects())
+    return stack

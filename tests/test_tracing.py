@@ -147,3 +147,78 @@ def test_by_name_the_break_stays_and_the_backends_report_says_where(model, input
     (brk,) = backend.breaks[breaks:]
     assert "LOG.warning_once(" in brk.where
     assert any("LOG.warning_once(" in b.where for b in fuser.report().breaks)
+
+
+def _kernel_routed_model() -> torch.nn.Module:
+    """Two gradient-checkpointed RMSNorm layers routed as transformers >= 5.25 routes its attention layers through the
+    ``kernels`` package (``use_kernelized_func``: each forward sets and restores a context variable), then an lm_head
+    and the loss."""
+    kernels = pytest.importorskip("kernels")
+
+    @kernels.use_kernel_forward_from_hub("FuserTestScale")
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @kernels.use_kernelized_func(scale)
+    class NormLayer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(1.0 + 0.2 * torch.randn(H))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return scale(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([NormLayer(), NormLayer()])
+            self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+        def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            return F.cross_entropy(self.lm_head(h).float().view(-1, V), labels.view(-1))
+
+    torch.manual_seed(0)
+    return Model()
+
+
+@pytest.mark.parametrize("api", ["optimize", "optimize_"])
+def test_a_checkpointed_layer_that_sets_and_restores_state_is_traced_and_fused(inputs, api):
+    """With ``checkpoint_side_effects`` (default) the checkpointed layers are traced: one graph, both norms and the
+    loss fused, the step equal to eager, and Dynamo's setting held only inside the call."""
+    model = _kernel_routed_model()
+    reference = copy.deepcopy(model)
+    backend = fuser.backend(AOT)
+    start = len(backend.results)
+    run = fuser.optimize(model, AOT) if api == "optimize" else fuser.optimize_(model, AOT)
+    _assert_equal_to_eager(run, reference, *inputs)
+    assert _compiled_since(backend, start) == ({"linear_cross_entropy": 1, "rms_norm": 2}, 1)
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+
+
+def test_switched_off_a_checkpointed_layer_that_sets_state_runs_eagerly_and_explain_shows_it(inputs):
+    """``checkpoint_side_effects=False``: Dynamo's default, which runs the layers eagerly; their norms do not fuse,
+    and explain shows Dynamo's reason."""
+    model = _kernel_routed_model()
+    torch._dynamo.reset()  # Dynamo marks a frame it gave up on as skipped for good: clear that before and after
+    off = fuser.explain(model, *inputs, config=fuser.FuserConfig(checkpoint_side_effects=False))
+    assert "rms_norm" not in off.counts, str(off)
+    (message,) = [m for m in off.break_messages if "Unsafe side effect" in m]
+    assert "checkpoint_side_effects=True" in message and message in str(off), message
+    torch._dynamo.reset()
+    assert fuser.explain(model, *inputs).counts == {"linear_cross_entropy": 1, "rms_norm": 2}  # on by default
+
+
+def test_a_checkpointed_transformers_model_fuses_every_block():
+    """transformers' own gradient checkpointing on a tiny Llama (with transformers >= 5.25 and ``kernels``, each
+    attention layer sets and restores its kernel routing): one graph, every block fused."""
+    from tests.models.tiny import batch, build, checkpointed, expected_norms, fused_norms
+
+    model = checkpointed(build("llama"))
+    backend = fuser.backend(AOT)
+    start = len(backend.results)
+    fuser.optimize_(model, AOT)(**batch()).loss.backward()
+    counts, graphs = _compiled_since(backend, start)
+    assert graphs == 1 and fused_norms(counts) == expected_norms("llama"), counts
+    assert counts.get("rope") == 2 and counts.get("swiglu") == 2, counts
