@@ -70,6 +70,11 @@ for name in sys.argv[2:]:
         continue
     d = json.loads(path.read_text())
     d = one_mode(d)
+    if d.get("error") or d.get("tokens_per_s") is None:  # e.g. out of memory: say so, with the peak it reached
+        why = "out of memory" if "out of memory" in str(d.get("error", "")) else str(d.get("error", "no result"))[:80]
+        print(f"| {d.get('mode', name)} {label if name.startswith('fuser') else ''} | {why} | | | |"
+              f" {d.get('peak_gib') or float('nan'):.2f} | | | |")
+        continue
     first = first or d
     counts = d.get("fuser_counts", "")
     host_ms, gc_ms = fmt(timed_host_ms(d), ".1f"), fmt(timed_gc_ms(d), ".1f")
