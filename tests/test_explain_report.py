@@ -26,6 +26,15 @@ def test_loss_match_names_the_lm_head_module():
     assert " lm_head " in row and "loss_utils.py" in row, row
 
 
+def test_rope_match_names_the_attention_module():
+    """The module of a rotary match is the model's attention layer, also where transformers (>= 5.25, with the
+    ``kernels`` package) calls apply_rotary_pos_emb as a module-level module of its own."""
+    report = fuser.explain(build("llama"), **batch())
+    ropes = [m for m in report.matches if m.pattern == "rope"]
+    assert sorted(m.module for m in ropes) == [f"model.layers.{i}.self_attn" for i in range(N_LAYERS)], str(report)
+    assert "G." not in str(report) and "__import_" not in str(report), str(report)
+
+
 def test_norm_declined_by_a_check_names_module_source_and_reason():
     report = fuser.explain(build("llama", torch.float64), **batch())  # fp64: every norm is declined by dtype
     norms = [nm for nm in report.near_misses if nm.pattern == "rms_norm"]

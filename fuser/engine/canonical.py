@@ -467,7 +467,11 @@ def module_path(node: Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = str(list(stack.values())[-1][0])
+    paths = [str(entry[0]) for entry in stack.values()]
+    # the innermost module of the model, not a module-level global one: transformers >= 5.25 with the `kernels`
+    # package makes apply_rotary_pos_emb a module held in its modeling file's globals, which Dynamo names
+    # "G['__import_transformers_dot_models_dot_llama_dot_modeling_llama'].apply_rotary_pos_emb"
+    path = next((p for p in reversed(paths) if not p.startswith("G[")), paths[-1])
     # "L['args'][0]._modules['model']._modules['layers']['0']" or "L['self'].model.layers[0]" → "model.layers.0"
     noise = ("L", "self", "args", "_modules", "__dict__")
     parts = [p for p in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", path) if p not in noise]
