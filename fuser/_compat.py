@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -239,6 +240,16 @@ def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]]
     frame = stack[-1] if stack else None
     where = (frame.filename, frame.lineno, frame.line or "") if frame is not None else ("?", 0, "")
     return str(getattr(reason, "reason", "")), where
+
+
+def dynamo_skipped_frames(message: str) -> list[tuple[str, str, int]]:
+    """``(function, file, first line)`` of each frame a Dynamo message says it skipped and ran eagerly ("frame
+    skipped: forward (/path/modeling_llama.py line 354)"); empty for a plain graph break or where torch words it
+    otherwise."""
+    return [(name, path, int(line)) for name, path, line in _SKIPPED_FRAME.findall(message)]
+
+
+_SKIPPED_FRAME = re.compile(r"frame skipped: (\S+) \((.+?) line (\d+)\)")
 
 
 def dynamo_graph_break_messages() -> dict[str, int]:

@@ -148,7 +148,7 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     with tracing_context(config):
         torch.compile(target, backend=capture)(*args, **kwargs)
     for message, n in _compat.dynamo_graph_break_messages().items():
-        first = _in_brief(message)
+        first = brief_dynamo_message(message)
         if "skip_fwd_side_effects_in_bwd_under_checkpoint" in message and first:
             first += "; FuserConfig(checkpoint_side_effects=True), the default, has Dynamo trace such a layer"
         if n > messages_before.get(message, 0) and first and first not in report.break_messages:
@@ -159,7 +159,7 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     return report
 
 
-def _in_brief(message: str) -> str:
+def brief_dynamo_message(message: str) -> str:
     """A Dynamo graph-break message's first line, with its ``Explanation:`` line where it has one (its first line
     alone can be a bare category, "HOP: Unsafe side effect")."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]

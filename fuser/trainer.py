@@ -7,11 +7,14 @@ The callback compiles nothing itself. At the start of training it shows fuser's 
 graph: what fused, how long it took) unless the Trainer's ``log_level`` asks for warnings only. After the first
 step it checks that the model the trainer calls went through fuser, and warns if nothing was compiled (the
 model was wrapped after ``optimize_``, e.g. by ``SFTTrainer(peft_config=...)``: apply ``optimize_`` to
-``trainer.model`` then). Its first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs.
+``trainer.model`` then), and warns where Dynamo gave up on a function of the model's own source files in that step
+and ran it eagerly (nothing in it fused; a library's function, such as TRL's chunked loss, is not the model's). Its
+first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -19,7 +22,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from fuser import dynamo_backend
+from fuser import _compat, dynamo_backend
+from fuser.report import brief_dynamo_message
 
 log = logging.getLogger("fuser")
 _QUIET_LEVELS = ("warning", "error", "critical")
@@ -43,6 +47,7 @@ class FuserCallback(TrainerCallback):
         self._checked = False
         self._logged_counts = False
         self._handler: logging.Handler | None = None
+        self._messages_before: dict[str, int] = {}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if getattr(args, "log_level", "passive") not in _QUIET_LEVELS and not log.handlers:
@@ -50,6 +55,7 @@ class FuserCallback(TrainerCallback):
             self._handler.setFormatter(logging.Formatter("%(message)s"))
             log.addHandler(self._handler)
             log.setLevel(logging.INFO)
+        self._messages_before = _compat.dynamo_graph_break_messages()
         found = _backend_of(model)
         if found is None:
             warnings.warn(
@@ -72,6 +78,33 @@ class FuserCallback(TrainerCallback):
                 "fuser.optimize_(trainer.model) after building the trainer.",
                 RuntimeWarning,
                 stacklevel=2,
+            )
+        if found is not None:
+            self._warn_eager_frames(model)
+
+    def _warn_eager_frames(self, model: torch.nn.Module) -> None:
+        """Warn once for the functions of the model's own source files that Dynamo ran eagerly in the first step."""
+        files = set()
+        for module in model.modules():
+            try:
+                files.add(inspect.getsourcefile(type(module)))
+            except TypeError:  # a class without a source file (built in)
+                continue
+        skipped: dict[tuple[str, str, int], str] = {}
+        for message, n in _compat.dynamo_graph_break_messages().items():
+            if n <= self._messages_before.get(message, 0):
+                continue
+            for frame in _compat.dynamo_skipped_frames(message):
+                if frame[1] in files:
+                    skipped.setdefault(frame, brief_dynamo_message(message))
+        if skipped:
+            where = "; ".join(f"{name} ({path}:{line}): {why}" for (name, path, line), why in sorted(skipped.items()))
+            warnings.warn(
+                f"fuser: in the first training step Dynamo gave up on code of the model and ran it eagerly, so "
+                f"nothing in it was fused: {where}. fuser.explain(model, **batch) lists Dynamo's messages, and "
+                "TORCH_LOGS=graph_breaks shows the full reason.",
+                RuntimeWarning,
+                stacklevel=3,
             )
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None, **kw: Any):

@@ -333,3 +333,26 @@ def test_torch_compile_backend_fuser_in_training_arguments_is_refused_by_acceler
     )
     with pytest.raises(ValueError, match="DynamoBackend"):
         transformers.Trainer(model=tiny("llama"), args=args, train_dataset=TokenRows(token_rows()))
+
+
+def test_callback_warns_where_dynamo_ran_the_models_code_eagerly(tmp_path):
+    """With ``checkpoint_side_effects=False`` under gradient checkpointing, transformers >= 5.25 (its ``kernels``
+    routing) makes Dynamo give up on each decoder layer: the callback names the function and Dynamo's reason after
+    the first step. With the default nothing is run eagerly, and it says nothing."""
+    import transformers.models.llama.modeling_llama as modeling_llama
+
+    if not isinstance(getattr(modeling_llama, "apply_rotary_pos_emb", None), torch.nn.Module):
+        pytest.skip("this transformers does not route attention through the kernels package")
+
+    def run(options, out_dir):
+        model = fuser.optimize_(tiny("llama"), options)
+        trainer = make_trainer("trainer", model, out_dir, bf16=False, steps=1, gradient_checkpointing=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        return [str(w.message) for w in caught if "ran it eagerly" in str(w.message)]
+
+    (message,) = run({**OPTIONS, "checkpoint_side_effects": False}, tmp_path / "off")
+    assert "modeling_llama.py" in message and "Unsafe side effect" in message, message
+    torch._dynamo.reset()  # Dynamo keeps a frame it gave up on as skipped
+    assert run(OPTIONS, tmp_path / "on") == []
