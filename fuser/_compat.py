@@ -265,3 +265,9 @@ def dynamo_graph_break_messages() -> dict[str, int]:
     for message, n in counters.get("unimplemented", {}).items():
         merged[message] = merged.get(message, 0) + n
     return merged
+
+
+def dynamo_messages_since(before: dict[str, int]) -> list[str]:
+    """The graph-break messages (:func:`dynamo_graph_break_messages`) Dynamo counted again since ``before``, a
+    snapshot of them."""
+    return [m for m, n in dynamo_graph_break_messages().items() if n > before.get(m, 0)]

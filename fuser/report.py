@@ -147,11 +147,11 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     messages_before = _compat.dynamo_graph_break_messages()
     with tracing_context(config):
         torch.compile(target, backend=capture)(*args, **kwargs)
-    for message, n in _compat.dynamo_graph_break_messages().items():
+    for message in _compat.dynamo_messages_since(messages_before):
         first = brief_dynamo_message(message)
         if "skip_fwd_side_effects_in_bwd_under_checkpoint" in message and first:
             first += "; FuserConfig(checkpoint_side_effects=True), the default, has Dynamo trace such a layer"
-        if n > messages_before.get(message, 0) and first and first not in report.break_messages:
+        if first and first not in report.break_messages:
             report.break_messages.append(first)
     report.counts = count_by_pattern(report.matches)
     report.runs = [graph_runs[i] for i in graph_of_match]

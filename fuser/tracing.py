@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from fuser import _compat
@@ -43,11 +44,13 @@ def skipped_logging_calls() -> list[Any]:
     return [m for name in ONCE_LOGGING_METHODS if (m := getattr(logging.Logger, name, None)) is not None]
 
 
-def tracing_context(config: FuserConfig) -> contextlib.AbstractContextManager[Any]:
-    """The context each call compiled through fuser with ``config`` runs in (see the module docstring)."""
-    stack = contextlib.ExitStack()
-    if config.ignore_logging:
-        stack.enter_context(_compat.dynamo_ignoring_logging(skipped_logging_calls()))
-    if config.checkpoint_side_effects:
-        stack.enter_context(_compat.dynamo_allowing_checkpoint_side_effects())
-    return stack
+@contextlib.contextmanager
+def tracing_context(config: FuserConfig) -> Iterator[None]:
+    """The context each call compiled through fuser with ``config`` runs in (see the module docstring); Dynamo's
+    settings change when it is entered, not when it is made."""
+    with contextlib.ExitStack() as stack:
+        if config.ignore_logging:
+            stack.enter_context(_compat.dynamo_ignoring_logging(skipped_logging_calls()))
+        if config.checkpoint_side_effects:
+            stack.enter_context(_compat.dynamo_allowing_checkpoint_side_effects())
+        yield

@@ -91,9 +91,7 @@ class FuserCallback(TrainerCallback):
             except TypeError:  # a class without a source file (built in)
                 continue
         skipped: dict[tuple[str, str, int], str] = {}
-        for message, n in _compat.dynamo_graph_break_messages().items():
-            if n <= self._messages_before.get(message, 0):
-                continue
+        for message in _compat.dynamo_messages_since(self._messages_before):
             for frame in _compat.dynamo_skipped_frames(message):
                 if frame[1] in files:
                     skipped.setdefault(frame, brief_dynamo_message(message))
