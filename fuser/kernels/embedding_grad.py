@@ -147,7 +147,7 @@ def _launch(values, ids, valid, base, base_scale, out: torch.Tensor) -> None:
     block_n = min(_MAX_BLOCK_N, tt.next_power_of_2(n_cols))
     if num_weights == 0 or n_cols == 0:
         return
-    embedding_grad_kernel[(tt.cdiv(num_weights, _ROWS), tt.cdiv(n_cols, block_n))](
+    tt.launchable(embedding_grad_kernel)[(tt.cdiv(num_weights, _ROWS), tt.cdiv(n_cols, block_n))](
         values2,
         perm,
         bounds,

@@ -376,7 +376,7 @@ def _launch_forward(gate2, up2, gate_lora2, up_lora2, out2, gate_sum2, up_sum2, 
     if n_rows == 0 or n_cols == 0:
         return
     grid, tiles = _launch_grid(n_rows, n_cols)
-    gated_act_fwd_kernel[grid](
+    tt.launchable(gated_act_fwd_kernel)[grid](
         gate2,
         up2,
         gate_lora2 if gate_lora2 is not None else gate2,
@@ -411,7 +411,7 @@ def _launch_backward(
     if n_rows == 0 or n_cols == 0 or not written:
         return
     grid, tiles = _launch_grid(n_rows, n_cols)
-    gated_act_bwd_kernel[grid](
+    tt.launchable(gated_act_bwd_kernel)[grid](
         dout2,
         g2,
         u2,

@@ -63,6 +63,7 @@ from fuser.kernels._triton import (
     check_floating,
     check_linear,
     compute_dtype,
+    launchable,
     next_power_of_2,
     tl,
     triton,
@@ -400,7 +401,8 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
         raise ValueError("fuser: lce_dweight_kernel needs unit-stride rows of g, h and a contiguous dw")
     cfg = DWEIGHT_CONFIG if dw_acc.is_cuda else _CPU_DWEIGHT_CONFIG
     grid = (cdiv(vocab, cfg["BLOCK_V"]) * cdiv(hidden, cfg["BLOCK_H"]),)
-    lce_dweight_kernel[grid](g, h_c, dw_acc, n_rows, vocab, hidden, g.stride(0), h_c.stride(0), FIRST=first, **cfg)
+    strides = (g.stride(0), h_c.stride(0))
+    launchable(lce_dweight_kernel)[grid](g, h_c, dw_acc, n_rows, vocab, hidden, *strides, FIRST=first, **cfg)
 
 
 # the loss kernel's launch on a GPU: the widest vocabulary block and the warps. A tuning table
@@ -419,7 +421,7 @@ def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad
         return
     cfg = CHUNK_KERNEL_CONFIG if logits.is_cuda else _CPU_CHUNK_KERNEL_CONFIG
     block_v = min(next_power_of_2(n_cols), cfg["BLOCK_V"])
-    lce_chunk_kernel[(n_rows,)](
+    launchable(lce_chunk_kernel)[(n_rows,)](
         logits,
         labels,
         loss_rows,
@@ -603,7 +605,7 @@ def _(hidden, weight, bias, labels, ignore_index, reduction, logit_scale, softca
 def _scale_inplace(g: torch.Tensor, s: torch.Tensor) -> None:
     """g *= s for a contiguous gradient buffer and a 0-dim fp32 device scalar; nothing is written when s == 1."""
     block = 4096 if g.is_cuda else 1024
-    scale_inplace_kernel[(cdiv(g.numel(), block),)](g, g.numel(), s.reshape(1), BLOCK=block, num_warps=4)
+    launchable(scale_inplace_kernel)[(cdiv(g.numel(), block),)](g, g.numel(), s.reshape(1), BLOCK=block, num_warps=4)
 
 
 def _setup_context(ctx, inputs, output):

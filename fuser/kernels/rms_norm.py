@@ -270,7 +270,7 @@ def _launch_forward(x, norm: Norm, out, rstd, residual, sum_out, order=None) -> 
     n_rows = x2.shape[0]
     block_m, block_n, num_warps = _launch_config(n_cols)
     if n_rows > 0:
-        rms_norm_fwd_kernel[(tt.cdiv(n_rows, block_m),)](
+        tt.launchable(rms_norm_fwd_kernel)[(tt.cdiv(n_rows, block_m),)](
             x2,
             weight if weight is not None else x2,
             y2,
@@ -318,7 +318,7 @@ def _launch_backward(
     compute_dw = weight is not None and compute_dweight
     dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     if n_rows > 0:
-        rms_norm_bwd_kernel[(n_programs,)](
+        tt.launchable(rms_norm_bwd_kernel)[(n_programs,)](
             dy2,
             x2,
             weight if weight is not None else x2,

@@ -54,6 +54,7 @@ from fuser.kernels._triton import (
     check_floating,
     compute_dtype,
     kernel_dtypes,
+    launchable,
     next_power_of_2,
     takes_triton,
     tl,
@@ -443,7 +444,7 @@ def _launch(src: tuple[torch.Tensor, torch.Tensor | None], dst: tuple, rotation:
     # without k, q stands in for its pointers and strides: the k branch never runs
     src_k, dst_k = (src_k, dst_k) if has_k else (src_q, dst_q)
     cos, sin = rotation.cos, rotation.sin
-    rope_kernel[(n_programs,)](
+    launchable(rope_kernel)[(n_programs,)](
         src_q,
         src_k,
         dst_q,

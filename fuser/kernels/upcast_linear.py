@@ -37,6 +37,7 @@ from fuser.kernels._triton import (
     cdiv,
     check_floating,
     check_linear,
+    launchable,
     next_power_of_2,
     or_empty,
     tl,
@@ -231,7 +232,7 @@ def _forward_triton(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -
     k_per_split, splits = _even_splits(n_in, cfg.pop("SPLIT_K"), cfg["BLOCK_K"])
     y = _alloc(splits, n_rows, n_out, dtype=torch.float32, device=x.device)
     if n_rows:
-        upcast_linear_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]), splits)](
+        launchable(upcast_linear_fwd_kernel)[(cdiv(n_rows, cfg["BLOCK_M"]), splits)](
             x2, weight, y, float(scale), n_rows, n_in, n_out, x2.stride(0), weight.stride(0), weight.stride(1),
             k_per_split, OUT_P=_out_p(n_out), **cfg,
         )  # fmt: skip
@@ -261,7 +262,7 @@ def _dx_triton(
     cfg = _config("dx", dy.device)
     if n_rows:
         grid = (cdiv(n_rows, cfg["BLOCK_M"] * cfg["ROW_TILES"]), cdiv(n_in, cfg["BLOCK_N"]))
-        upcast_linear_dx_kernel[grid](
+        launchable(upcast_linear_dx_kernel)[grid](
             dy2, weight, dx, dx if base is None else base, dx if wide_out is None else wide_out, float(scale),
             n_rows, n_in, n_out, dy2.stride(0), weight.stride(0), weight.stride(1), OUT_P=_out_p(n_out),
             HAS_BASE=base is not None, ROUND_TERM=round_term, HAS_WIDE=wide_out is not None, **cfg,
@@ -297,7 +298,7 @@ def _dw_triton(
     partial = _alloc(splits, out_p, n_in, dtype=torch.float32, device=x.device)
     if n_rows:
         rstd, nw, offset = (norm[0].reshape(-1), norm[1], norm[2]) if norm is not None else (partial, None, 0.0)
-        upcast_linear_dw_kernel[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
+        launchable(upcast_linear_dw_kernel)[(cdiv(n_in, cfg["BLOCK_N"]), splits)](
             dy2, x2, partial, rstd, partial if nw is None else nw, float(scale), float(offset), n_rows,
             n_in, n_out, dy2.stride(0), x2.stride(0), rows_per_split, OUT_P=out_p, NORM=norm is not None,
             HAS_NW=nw is not None, **cfg,
