@@ -143,6 +143,9 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
         backend = fuser.backend(fuser_config(args))
         result["fuser_counts"] = backend.counts
         result["fuser_post_grad"] = dict(backend.post_grad_counts)
+        result["fuser_inlined"] = dict(backend.inliner.inlined)  # FuserConfig.inline_ops: calls Inductor launches
+        result["fuser_not_inlined"] = dict(backend.inliner.declined)
+        result["fuser_inline_s"] = backend.inliner.seconds
         refined: dict[str, int] = {}
         for one in backend.results:  # the fused ops a pattern's refinement rebuilt (rms_norm: the adds it absorbed)
             for name, n in one.refined.items():

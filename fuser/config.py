@@ -59,6 +59,14 @@ class FuserConfig:
     direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
                      ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
                      past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
+    inline_ops:      Inductor launches the fused ops' Triton kernels from its generated code (default ``False``, until
+                     it is measured on real models): each call in a compiled GPU graph is replaced, at compile
+                     time, by what its Python body does for those shapes (its buffers and kernel launches), so a
+                     call no longer runs that body (70–250 µs of host time each on the H200's host, where a
+                     Gemma-3-4B LoRA step is host-bound). Same kernels, same arguments. A call that might not
+                     compute the same inlined (it writes an input, its shapes are dynamic, it calls a matmul that
+                     the caller's autocast would change) stays a call; ``fuser.report(model).not_inlined`` says
+                     why (``fuser/engine/inline_ops.py``).
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
                      one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
                      Inductor's zero-filled fp32 buffer, scatter and cast.
@@ -110,6 +118,7 @@ class FuserConfig:
     ignore_logging: bool = True
     checkpoint_side_effects: bool = True
     direct_calls: bool = True
+    inline_ops: bool = False
     embedding_grads: bool = True
     cuda_graphs: bool = False
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
@@ -129,6 +138,7 @@ class FuserConfig:
             "ignore_logging",
             "checkpoint_side_effects",
             "direct_calls",
+            "inline_ops",
             "embedding_grads",
             "cuda_graphs",
         ):

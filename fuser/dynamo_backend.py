@@ -16,7 +16,7 @@ import torch.fx
 
 from fuser import _compat
 from fuser.config import FuserConfig
-from fuser.engine import direct_calls, graph_pool_grads
+from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
@@ -43,11 +43,13 @@ def _source_digest() -> str:
 _SOURCE_DIGEST = _source_digest()
 
 
-def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
+def _post_grad_pass(config: FuserConfig, counts: dict[str, int], inliner: inline_ops.Inliner | None = None) -> Any:
     """fuser's post-grad pass: the post-grad passes the registered patterns declare (``Pattern.post_grad``: the
-    gated MLP's backward in place), each where it is enabled for ``config``; then, with ``config.direct_calls``,
-    the fused ops' calls retargeted to their direct overloads (:mod:`fuser.engine.direct_calls`); then the user's
-    own post-grad pass, if any. The numbers of calls the blocks' passes rewrote are added to ``counts``.
+    gated MLP's backward in place), each where it is enabled for ``config``; then, with ``config.inline_ops``, the
+    fused ops' calls that can be replaced by their kernels, launched by Inductor (:mod:`fuser.engine.inline_ops`,
+    through ``inliner``); then, with ``config.direct_calls``, the remaining calls retargeted to their direct
+    overloads (:mod:`fuser.engine.direct_calls`); then the user's own post-grad pass, if any. The numbers of calls
+    the blocks' passes rewrote are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
     keys: fuser's source and the whole config (its repr, nested options included: every switch there is) are in
@@ -77,6 +79,8 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int]) -> Any:
                     )
                     continue
                 counts[name] = counts.get(name, 0) + one.apply(graph, plan)
+            if config.inline_ops and inliner is not None:
+                inliner.inline(graph)
             if config.direct_calls:
                 direct_calls.retarget(graph)
             if previous is not None:
@@ -125,6 +129,7 @@ class FuserBackend:
         # {"gated_backward_in_place": 32}; filled as Inductor compiles them (a backward graph maybe only at the
         # first backward call), and not when a graph comes from Inductor's cache
         self.post_grad_counts: dict[str, int] = {}
+        self.inliner = inline_ops.Inliner()  # which fused-op calls Inductor launches itself (config.inline_ops)
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
         self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
         self._warned: set[str] = set()  # the once-per-backend warnings already given (_warn_once's keys)
@@ -162,7 +167,7 @@ class FuserBackend:
             return gm.forward
         if self.config.inner_compiler == "aot_eager":
             return _compat.lookup_dynamo_backend("aot_eager")(gm, example_inputs)
-        post_grad = _post_grad_pass(self.config, self.post_grad_counts)
+        post_grad = _post_grad_pass(self.config, self.post_grad_counts, self.inliner)
         direct_calls.register()  # before Inductor gives fuser's ops (these overloads among them) their fallbacks
         patches: dict[str, Any] = {"post_grad_custom_post_pass": post_grad}
         if not self.config.cuda_graphs:
@@ -267,6 +272,8 @@ class FuserBackend:
         out.counts = self.counts
         out.compile_seconds = self.compile_seconds
         out.breaks = list(self.breaks)
+        out.inlined = dict(self.inliner.inlined)
+        out.not_inlined = dict(self.inliner.declined)
         return out
 
 

@@ -60,6 +60,9 @@ class Report:
                    Dynamo compiled once runs again wherever its guards hold: after a graph break inside the loop
                    over the decoder layers, each layer's code is one graph that runs for every layer, and its fused
                    ops with it.
+    inlined:       ``fuser.report``: fused op → its calls in compiled GPU graphs that Inductor launches the kernels
+                   of itself (``FuserConfig.inline_ops``), over the forward and the backward graphs compiled so far.
+    not_inlined:   fused op → why a call of it stayed an op call (the last reason given), in words.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -71,6 +74,8 @@ class Report:
     breaks: list[GraphBreak] = field(default_factory=list)
     break_messages: list[str] = field(default_factory=list)
     runs: list[int] = field(default_factory=list)
+    inlined: dict[str, int] = field(default_factory=dict)
+    not_inlined: dict[str, str] = field(default_factory=dict)
 
     @property
     def executed(self) -> dict[str, int]:

@@ -1,0 +1,312 @@
+"""Inlined ops: Inductor launches the fused ops' Triton kernels itself, from its generated code.
+
+A fused op called from a compiled graph runs its Python body on every call: checks, buffer allocation, the launch
+configuration, ``JITFunction.run`` around each kernel. On the H200's host that is 70–250 µs a call, against about
+25 µs for each kernel Inductor launches from its generated code; a Gemma-3-4B LoRA step calls fused ops about
+1,600 times, and its host took longer to launch a step than the GPU took to run it
+(``benchmarks/results/host_bound_gemma3_qwen25_h200_2026-12-03.md``).
+
+The body depends only on what the graph already knows at compile time (shapes, strides, dtypes, the op's constant
+arguments), so this pass runs it once, at compile time, on the node's fake values, with each kernel launch recorded
+as Inductor's ``triton_kernel_wrapper_functional`` node (``torch.library.wrap_triton``, through
+:func:`fuser.kernels._triton.launchable`), and puts the traced ops in the op's place. Inductor then allocates the
+buffers in its memory plan and launches the kernels as it launches its own (what ``torch.library.triton_op`` does
+for an op, but after fuser's post-grad passes have seen the ops whole). Same kernels, same arguments: the results
+are the op's.
+
+A call stays an op call, with the reason kept for :func:`fuser.report`, where inlining it might not compute the
+same:
+- the op mutates an input (the in-place gated backward, the dx accumulation);
+- a shape is symbolic (a dynamic-shape graph: the body's choices hold only for the traced shape);
+- its tensors are not all on a GPU (CPU tensors take the op's reference path, chosen at run time);
+- the body calls an op that autocast changes (a matmul; a reduction or ``exp`` of a half-precision tensor): the op
+  call runs under the caller's autocast, the inlined ops would not;
+- Inductor could not tell which arguments a kernel writes (it would copy back every argument), or the body could
+  not be traced at all (a data-dependent value, or a Triton kernel launched other than through ``launchable``: such
+  a launch is refused during the trace, since on fake tensors it would run on null pointers).
+
+Off by default (``FuserConfig(inline_ops=True)`` turns it on) until its speed is measured on real models: on the
+H200, tiny Llama, Gemma and Qwen3 steps (fp32, and bf16 with LoRA) inlined every norm, rotary, gated-activation and
+LoRA-sum call and computed what the calls compute (``benchmarks/results/inline_ops_h200_2026-12-04.md``); a
+Gemma-3-4B LoRA run did not finish compiling within 200 s with an earlier form of this pass, which traced each body
+three times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from fuser import _compat
+from fuser.kernels import _triton as tt
+
+NAMESPACE = "fuser"
+
+
+class Declined(Exception):
+    """Why one call cannot be inlined, in words for :func:`fuser.report`."""
+
+
+def _default_overload(target: Any) -> torch._ops.OpOverload | None:
+    """The default overload of a ``fuser::`` op for ``target`` (its default or ``direct`` overload), else None."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
+        return None
+    return target.overloadpacket.default
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride(), value.storage_offset()))
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _key_of(value: Any, positions: dict[int, int]) -> Any:
+    """What of one argument the traced body may depend on: a tensor's layout and which graph value it is (two
+    arguments that are one tensor stay one), a constant itself."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, str(value.device),
+                positions.setdefault(id(value), len(positions)))  # fmt: skip
+    return ("C", type(value).__name__, repr(value))
+
+
+@contextlib.contextmanager
+def _no_direct_launches() -> Iterator[None]:
+    """While a body is traced, a Triton kernel launched other than through ``launchable`` raises :class:`Declined`
+    instead of running: on fake tensors it would run for real, on null pointers (a fake tensor's ``data_ptr()`` is
+    0). Launches on real tensors (another thread's) run as ever."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - no Triton, no kernels to launch
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def traced(v: Any) -> bool:  # a fake tensor, or one wrapped by the functionalization the trace runs under
+        return isinstance(v, torch.Tensor) and (
+            isinstance(v, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(v)
+        )
+
+    original = JITFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(traced(v) for v in (*args, *kwargs.values())):
+            raise Declined(f"its body launches the Triton kernel {self.__name__} directly, where a trace cannot see it")
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device in ("cuda", "cpu"):
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def _trace(
+    function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: Any, autocast: Any
+) -> torch.fx.GraphModule:
+    """``function(*args, **kwargs)`` traced functionally on the tensor leaves of args/kwargs (fake tensors), with
+    its kernel launches as graph nodes; ``autocast``: the context it is traced under."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def body(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        filled = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            filled[i] = t
+        a, k = pytree.tree_unflatten(filled, spec)
+        out = function(*a, **k)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    with fake_mode, tt.tracing_kernels(), _no_direct_launches(), torch.no_grad(), autocast, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast's "CUDA is not available" where there is no GPU (CPU tests)
+        # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
+        traced = make_fx(torch.func.functionalize(body), decomposition_table=select_decomp_table(), tracing_mode="real")
+        return traced(*[leaves[i] for i in where])
+
+
+# What CUDA autocast changes (its policy lists, aten/src/ATen/autocast_mode.cpp), by aten op name, as they appear in a
+# body traced with Inductor's decompositions: the lower-precision ops (any input), and the ops it runs in fp32 or
+# promotes (where an input is half precision). A traced body calling one of them would compute differently under the
+# caller's autocast than inlined, where nothing is autocast.
+_AUTOCAST_LOWER = frozenset(
+    "mm addmm addmv addr addbmm baddbmm bmm matmul mv dot vdot einsum linear convolution _convolution conv1d conv2d "
+    "conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu linalg_vecdot chain_matmul "
+    "_scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention "
+    "_scaled_dot_product_cudnn_attention scaled_dot_product_attention _scaled_mm".split()
+)
+_AUTOCAST_WIDE = frozenset(
+    "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm "
+    "native_layer_norm group_norm native_group_norm frobenius_norm nuclear_norm cosine_similarity nll_loss "
+    "nll_loss_forward nll_loss2d kl_div l1_loss smooth_l1_loss huber_loss mse_loss binary_cross_entropy_with_logits "
+    "dist pdist cdist renorm logsumexp prod softmax _softmax log_softmax _log_softmax cumprod cumsum "
+    "linalg_vector_norm linalg_matrix_norm sum addcdiv addcmul atan2 bilinear cross grid_sampler index_put "
+    "scatter_add tensordot".split()
+)
+
+
+def _check_autocast(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`Declined` where the traced body calls an op that autocast would change."""
+    half = (torch.float16, torch.bfloat16)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target.overloadpacket.__name__.rstrip("_")
+        if name in _AUTOCAST_LOWER:
+            raise Declined(f"its body calls aten.{name}, which runs in the caller's autocast dtype when called")
+        if name in _AUTOCAST_WIDE:
+            inputs = [a.meta.get("val") for a in node.all_input_nodes]
+            if any(isinstance(v, torch.Tensor) and v.dtype in half for v in inputs):
+                raise Declined(
+                    f"its body calls aten.{name} on a half-precision tensor, which autocast runs in fp32 when called"
+                )
+
+
+def _check(gm: torch.fx.GraphModule) -> None:
+    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+            raise Declined(
+                "Inductor could not tell which arguments its kernel writes and would copy every argument back"
+            )
+
+
+class Inliner:
+    """Traces each op signature once (a model's layers repeat the same calls) and splices the result in."""
+
+    def __init__(self) -> None:
+        self._traced: dict[Any, torch.fx.GraphModule | Declined] = {}
+        self.inlined: dict[str, int] = {}  # op name -> calls inlined
+        self.declined: dict[str, str] = {}  # op name -> the last reason a call of it stayed a call
+        self.seconds = 0.0  # compile time spent here: tracing bodies and splicing them in
+
+    def _graph_for(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, fake_mode: Any) -> torch.fx.GraphModule:
+        if op._schema.is_mutable:
+            raise Declined("it writes into an input, which Inductor's functional graph would have to copy")
+        values = pytree.tree_leaves((args, kwargs))
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if any(_is_symbolic(v) for v in values):
+            raise Declined("the graph has dynamic shapes; the op's launch choices hold only for the shapes traced")
+        if not tensors or not all(t.is_cuda for t in tensors):
+            raise Declined("its tensors are not all on a GPU (the CPU path is chosen when it runs)")
+        positions: dict[int, int] = {}
+        key = (op, tuple(_key_of(v, positions) for v in values), pytree.tree_structure((args, kwargs)))
+        cached = self._traced.get(key)
+        if cached is None:
+            cached = self._traced[key] = self._trace_checked(op, args, kwargs, fake_mode)
+        if isinstance(cached, Declined):
+            raise cached
+        return cached
+
+    @staticmethod
+    def _trace_checked(op, args, kwargs, fake_mode) -> torch.fx.GraphModule | Declined:
+        functions = _compat.custom_op_functions(op)
+        if functions is None:
+            return Declined("its Python body is not available from torch.library")
+        function = functions[0]
+        try:
+            gm = _trace(function, args, kwargs, fake_mode, _autocast_off())
+            _check(gm)
+            _check_autocast(gm)
+        except Declined as reason:
+            return reason
+        except Exception as error:  # noqa: BLE001 - any failure to trace leaves the call as it was
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            return Declined(f"its body could not be traced ({type(error).__name__}: {first[:160]})")
+        return gm
+
+    def inline(self, graph: torch.fx.Graph) -> int:
+        """Replace every fused op call of ``graph`` that can be inlined by the ops of its body; returns how many."""
+        start = time.perf_counter()
+        try:
+            return self._inline(graph)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _inline(self, graph: torch.fx.Graph) -> int:
+        count = 0
+        work = [n for n in graph.nodes if n.op == "call_function" and _default_overload(n.target) is not None]
+        while work:
+            node = work.pop(0)
+            op = _default_overload(node.target)
+            name = op.overloadpacket.__name__
+            args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+            fake_mode = next((v.fake_mode for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")), None)
+            if fake_mode is None:
+                continue
+            if isinstance(node.meta.get("val"), (tuple, list)) and any(
+                u.op != "call_function" or u.target is not operator.getitem for u in node.users
+            ):
+                continue  # a tuple result used whole (not in post-grad graphs, which take each item)
+            try:
+                gm = self._graph_for(op, args, kwargs, fake_mode)
+            except Declined as reason:
+                self.declined[name] = str(reason)
+                continue
+            work.extend(_splice(graph, node, gm, fake_mode))
+            self.inlined[name] = self.inlined.get(name, 0) + 1
+            count += 1
+        return count
+
+
+def _splice(
+    graph: torch.fx.Graph, node: torch.fx.Node, gm: torch.fx.GraphModule, fake_mode: Any
+) -> list[torch.fx.Node]:
+    """Put ``gm``'s ops (traced on ``node``'s tensor arguments, in pytree order) in ``node``'s place; returns the
+    new calls of fuser ops among them (a body that calls another op), to inline in turn.
+
+    Each new node gets fake values of its own, computed here from its inputs': a trace serves every call of the same
+    signature (each layer's), and values shared between two calls would tell Inductor that their buffers are one
+    storage (it would then copy a kernel's output buffer instead of writing it in place)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    inputs = [leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, torch.fx.Node)]
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    outputs: list[Any] = []
+    added: list[torch.fx.Node] = []
+    with graph.inserting_before(node), fake_mode, enable_python_dispatcher():
+        for inner in gm.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "output":
+                outputs = [env[o] if isinstance(o, torch.fx.Node) else o for o in inner.args[0]]
+            elif inner.op == "get_attr":
+                raise AssertionError("fuser: an inlined op's trace holds a constant tensor")  # not for our bodies
+            else:
+                new = graph.node_copy(inner, lambda n: env[n])
+                args, kwargs = torch.fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta["val"])
+                new.meta["val"] = new.target(*args, **kwargs)
+                if "eager_input_vals" in new.meta:  # the strides Inductor holds a Triton kernel's arguments to
+                    new.meta["eager_input_vals"] = (args, kwargs)
+                env[inner] = new
+                if new.op == "call_function" and _default_overload(new.target) is not None:
+                    added.append(new)
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(outputs[0])
+    graph.erase_node(node)
+    return added

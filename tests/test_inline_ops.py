@@ -1,0 +1,271 @@
+"""Inlined ops (``fuser.engine.inline_ops``): in a compiled GPU graph, a fused op's call is replaced by its body's
+buffers and kernel launches, traced at compile time, so that Inductor launches the kernels from its generated code.
+
+Without a GPU, the pass is tested on graphs of fake CUDA tensors: which calls it replaces, what it puts in their
+place, and which it leaves, with the reason. Inductor's analysis of which arguments a Triton kernel writes needs a
+GPU target; here a stand-in gives the writes read from the kernel's source (where that is the point of the test).
+The GPU tests run the compiled steps and compare them with the op calls and with fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional as WRAPPER  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fuser
+from fuser.engine import inline_ops
+from fuser.kernels import _triton as tt
+from fuser.kernels import rms_norm as R
+from tests.models.tiny import batch, build, grads, rel, with_lora
+
+# what rms_norm's forward kernel stores into, for these launches (no residual: the sum pointer is a placeholder)
+RMS_NORM_FWD_WRITES = ["y_ptr", "rstd_ptr"]
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernel(monkeypatch):
+    """rms_norm's forward kernel as a ``JITFunction``, and CUDA tensors taking the Triton path, also where the tests
+    run Triton's interpreter: wrap_triton leaves an interpreted kernel unwrapped (it runs eagerly), so a launch of
+    one is not recorded in a trace; and under the interpreter CUDA tensors take the reference path."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, value in list(vars(R).items()):  # the kernel and the jit helpers it calls, which its hash reads
+        if isinstance(value, InterpretedFunction):
+            monkeypatch.setattr(R, name, JITFunction(value.fn))
+    monkeypatch.setattr(tt, "_INTERPRETING", False)
+
+
+@pytest.fixture
+def known_writes(monkeypatch):
+    """Inductor's kernel-write analysis, which needs a GPU target, replaced by the writes read off the source."""
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+    from triton.runtime.jit import JITFunction
+
+    def writes(kernel_idx, constant_args_idx, kwargs, *rest):
+        kernel = wrap.kernel_side_table.get_kernel(kernel_idx)
+        while not isinstance(kernel, JITFunction):  # a launch given num_warps is recorded as a one-config autotuner
+            kernel = kernel.fn
+        assert kernel is R.rms_norm_fwd_kernel, kernel  # the only kernel these tests trace
+        return list(RMS_NORM_FWD_WRITES)
+
+    monkeypatch.setattr(wrap, "get_mutated_tensors", writes)
+
+
+def graph_of(fn, *shapes, dtype=torch.bfloat16, device="cuda"):
+    """``fn`` traced on fake tensors of ``shapes``, as a post-grad graph holds its fused-op calls."""
+    mode = FakeTensorMode()
+    with mode:
+        args = [torch.randn(s, dtype=dtype, device=device) for s in shapes]
+        return make_fx(fn, tracing_mode="real")(*args)
+
+
+def norm_then_scale(x, w):
+    y, rstd = torch.ops.fuser.rms_norm(x, w, 1e-6, 0.0, torch.float32, None)
+    return y * 2, rstd
+
+
+def calls(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def test_launchable_is_the_kernel_itself_outside_a_trace():
+    kernel = R.rms_norm_fwd_kernel
+    assert tt.launchable(kernel) is kernel
+    with tt.tracing_kernels():
+        traced = tt.launchable(kernel)
+    assert traced is not kernel and traced.kernel is kernel  # torch.library.wrap_triton's wrapper
+    assert tt.launchable(kernel) is kernel
+
+
+def test_a_norm_call_becomes_its_kernel_launch(known_writes):
+    gm = graph_of(norm_then_scale, (2, 8, 256), (256,))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    assert inliner.inlined == {"rms_norm": 1} and not inliner.declined
+    assert not [n for n in gm.graph.nodes if inline_ops._default_overload(n.target) is not None]
+    (launch,) = calls(gm, WRAPPER)
+    kwargs = launch.kwargs["kwargs"]
+    assert launch.kwargs["tensors_to_clone"] == RMS_NORM_FWD_WRITES
+    assert (kwargs["n_rows"], kwargs["n_cols"], kwargs["eps"], kwargs["HAS_WEIGHT"]) == (16, 256, 1e-6, True)
+    # the launch reads the graph's inputs: x (as [rows, cols]) and the weight itself
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert kwargs["w_ptr"] is placeholders[1]
+    assert kwargs["x_ptr"].target is torch.ops.aten.view.default and kwargs["x_ptr"].args[0] is placeholders[0]
+    # the results: y (through the kernel's y buffer, viewed back to x's shape) scaled, and rstd as written
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    y2, rstd = out.args[0]
+    assert y2.target is torch.ops.aten.mul.Tensor
+    assert rstd.target.__name__ == "getitem" and rstd.args == (launch, "rstd_ptr")
+    assert tuple(rstd.meta["val"].shape) == (2, 8) and rstd.meta["val"].dtype == torch.float32
+
+
+def test_layers_share_one_trace(known_writes):
+    def two_norms(x, w):
+        a, _ = torch.ops.fuser.rms_norm(x, w, 1e-6, 0.0, torch.float32, None)
+        b, _ = torch.ops.fuser.rms_norm(a, w, 1e-6, 0.0, torch.float32, None)
+        c, _ = torch.ops.fuser.rms_norm(x, w, 1e-5, 0.0, torch.float32, None)  # another eps: another trace
+        return b, c
+
+    gm = graph_of(two_norms, (4, 128), (128,))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 3
+    assert len(calls(gm, WRAPPER)) == 3 and len(inliner._traced) == 2
+    assert sorted(n.kwargs["kwargs"]["eps"] for n in calls(gm, WRAPPER)) == [1e-6, 1e-6, 1e-5]
+
+
+def test_a_kernel_whose_writes_are_not_known_stays_a_call(monkeypatch):
+    """Where its write analysis fails (it needs the kernel compiled for a target), Inductor takes every argument as
+    written and would copy each back: the call stays a call, with the reason."""
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+    def every_tensor(kernel_idx, constant_args_idx, kwargs, *rest):  # what torch falls back to on failure
+        return [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+
+    monkeypatch.setattr(wrap, "get_mutated_tensors", every_tensor)
+    gm = graph_of(norm_then_scale, (2, 8, 256), (256,))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0
+    assert len(calls(gm, torch.ops.fuser.rms_norm.default)) == 1 and not calls(gm, WRAPPER)
+    assert "could not tell which arguments its kernel writes" in inliner.declined["rms_norm"]
+
+
+def test_calls_on_cpu_tensors_stay_calls(known_writes):
+    gm = graph_of(norm_then_scale, (2, 8, 256), (256,), device="cpu")
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0 and len(calls(gm, torch.ops.fuser.rms_norm.default)) == 1
+    assert "not all on a GPU" in inliner.declined["rms_norm"]
+
+
+def test_a_call_that_writes_into_its_input_stays_a_call(known_writes):
+    op = torch.ops.fuser.gated_activation_backward_
+    assert op.default._schema.is_mutable
+    mode = FakeTensorMode()
+    with mode:
+        g, u, dy = (torch.randn(4, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def body(g, u, dy):
+        op(dy, g, u, 1.0, 1.0, "silu")
+        return g, u
+
+    try:
+        gm = make_fx(body, tracing_mode="real")(g, u, dy)
+    except Exception as error:  # pragma: no cover - the op's schema changed; the test needs updating
+        pytest.fail(f"gated_activation_backward_'s call could not be built: {error!r}")
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0
+    assert "writes into an input" in inliner.declined["gated_activation_backward_"]
+
+
+def test_dynamic_shapes_stay_calls(known_writes):
+    """A graph of symbolic shapes (Dynamo's dynamic recompile): the body's launch choices hold only for the shapes
+    traced, so its calls stay calls."""
+    args = (torch.randn(2, 8, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))
+    gm = make_fx(norm_then_scale, tracing_mode="symbolic")(*args)
+    assert any(isinstance(s, torch.SymInt) for s in calls(gm, torch.ops.fuser.rms_norm.default)[0].meta["val"][0].shape)
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0
+    assert "dynamic shapes" in inliner.declined["rms_norm"]
+
+
+@pytest.fixture
+def no_inductor_cache():
+    # a graph from Inductor's (or AOT autograd's) cache skips the post-grad pass, and with it the inlining
+    import torch._functorch.config as functorch_config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _step(model, config, data):
+    run = model if config is None else fuser.optimize(model, config)
+    loss = run(**data).loss
+    loss.backward()
+    return loss.detach().float(), {n: g.float() for n, g in grads(model).items() if "lora_" in n}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3"])
+def test_gpu_lora_step_launches_the_kernels_from_inductor_as_close_to_fp32(arch, no_inductor_cache):
+    """A bf16 LoRA step of a tiny model on the GPU: the norms' (a residual add and norm among them), rotary's and
+    LoRA sums' calls, forward and backward, are inlined, none of the calls left is one whose body failed to trace,
+    and the loss and LoRA
+    gradients are as close to the fp32 model's as eager bf16's (the bar of ``assert_step_as_close_to_fp32_as_eager``)
+    and as the same step with ``inline_ops=False``."""
+    model = with_lora(build(arch, torch.bfloat16)).cuda()
+    data = {k: v.cuda() for k, v in batch(seq=64).items()}
+    loss32, g32 = _step(copy.deepcopy(model).float(), None, data)
+    loss16, g16 = _step(copy.deepcopy(model), None, data)
+    off = copy.deepcopy(model)
+    loss_off, g_off = _step(off, fuser.FuserConfig(strict=True, inline_ops=False), data)
+    loss, got = _step(model, fuser.FuserConfig(strict=True, inline_ops=True), data)
+    report = fuser.report(model)
+    inlined = set(report.inlined)
+    assert {"rope", "rope_backward", "lora_sum", "lora_sum_grads"} <= inlined, (report.inlined, report.not_inlined)
+    assert inlined & {"rms_norm", "add_rms_norm"} and inlined & {"rms_norm_backward", "add_rms_norm_backward"}, inlined
+    assert not any("could not be traced" in why for why in report.not_inlined.values()), report.not_inlined
+    assert fuser.report(off).inlined == {}
+    assert g32.keys() == got.keys() == g16.keys() and got
+    for label, (l_cmp, g_cmp) in {"eager bf16": (loss16, g16), "inline_ops=False": (loss_off, g_off)}.items():
+        assert abs(loss - loss32) <= 2 * abs(l_cmp - loss32) + 1e-3 * abs(loss32), (label, loss, l_cmp, loss32)
+        errors = {n: (rel(g, g32[n]), rel(g_cmp[n], g32[n])) for n, g in got.items()}
+        if label == "eager bf16":  # summed over the model, no farther from fp32 than eager
+            assert sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), errors
+        for n, (err, err_cmp) in errors.items():
+            assert err <= 2 * err_cmp + 1e-3, f"{n}: inlined {err:.2e}, {label} {err_cmp:.2e} vs fp32"
+
+
+def test_a_kernel_launched_directly_in_a_trace_declines_instead_of_running():
+    """A body that launched a kernel without ``launchable`` would run it for real on fake tensors (null pointers:
+    an illegal memory access on a GPU). The trace refuses that launch, and the call stays a call."""
+    launched = []
+
+    def raw_body(x, w):
+        y = torch.empty_like(x)
+        flags = dict(HAS_WEIGHT=True, NORM_CAST=0, STORE_RSTD=False, HAS_RESIDUAL=False, BLOCK_M=16, BLOCK_N=256)
+        R.rms_norm_fwd_kernel[(1,)](x, w, y, y, x, y, 256, 256, 0, 16, 256, 1e-6, 0.0, **flags)
+        launched.append(True)
+        return y
+
+    mode = FakeTensorMode()
+    with mode:
+        x, w = torch.randn(16, 256, device="cuda"), torch.randn(256, device="cuda")
+    with pytest.raises(inline_ops.Declined, match="launches the Triton kernel rms_norm_fwd_kernel directly"):
+        inline_ops._trace(raw_body, (x, w), {}, mode, inline_ops._autocast_off())
+    assert not launched
+
+
+def test_inline_ops_is_an_off_by_default_bool_option():
+    assert fuser.FuserConfig().inline_ops is False
+    assert fuser.FuserConfig.from_options({"inline_ops": True}).inline_ops is True
+    with pytest.raises(TypeError, match="inline_ops must be True or False"):
+        fuser.FuserConfig(inline_ops="yes")
+
+
+def test_calls_sharing_a_trace_write_their_own_buffers_in_place(known_writes):
+    """Two calls of one signature share a trace, not its fake values: Inductor's in-place pass then lets each kernel
+    write its own output buffer. With shared values both buffers look like one storage, used after the first
+    kernel, and Inductor copies a buffer for it instead."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
+
+    def two_norms(x, w):
+        a, ra = torch.ops.fuser.rms_norm(x, w, 1e-6, 0.0, torch.float32, None)
+        b, rb = torch.ops.fuser.rms_norm(x * 2, w, 1e-6, 0.0, torch.float32, None)
+        return a, ra, b, rb
+
+    gm = graph_of(two_norms, (4, 8, 256), (256,))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 2 and len(inliner._traced) == 1
+    with enable_python_dispatcher():
+        reinplace_inplaceable_ops_core(gm.graph)
+    decompose_triton_kernel_wrapper_functional(gm.graph)
+    assert len([n for n in gm.graph.nodes if "triton_kernel_wrapper_mutation" in str(n.target)]) == 2
+    assert not calls(gm, torch.ops.aten.clone.default), gm.code
