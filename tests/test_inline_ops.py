@@ -237,7 +237,7 @@ def test_a_kernel_launched_directly_in_a_trace_declines_instead_of_running():
     with mode:
         x, w = torch.randn(16, 256, device="cuda"), torch.randn(256, device="cuda")
     with pytest.raises(inline_ops.Declined, match="launches the Triton kernel rms_norm_fwd_kernel directly"):
-        inline_ops._trace(raw_body, (x, w), {}, mode, inline_ops._autocast_off())
+        inline_ops._trace(raw_body, (x, w), {}, mode)
     assert not launched
 
 

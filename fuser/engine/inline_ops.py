@@ -116,11 +116,9 @@ def _autocast_off() -> contextlib.ExitStack:
     return stack
 
 
-def _trace(
-    function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: Any, autocast: Any
-) -> torch.fx.GraphModule:
+def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: Any) -> torch.fx.GraphModule:
     """``function(*args, **kwargs)`` traced functionally on the tensor leaves of args/kwargs (fake tensors), with
-    its kernel launches as graph nodes; ``autocast``: the context it is traced under."""
+    its kernel launches as graph nodes, with grad mode and autocast off (as in a compiled graph's call)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -135,11 +133,13 @@ def _trace(
         out = function(*a, **k)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    with fake_mode, tt.tracing_kernels(), _no_direct_launches(), torch.no_grad(), autocast, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast's "CUDA is not available" where there is no GPU (CPU tests)
-        # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
-        traced = make_fx(torch.func.functionalize(body), decomposition_table=select_decomp_table(), tracing_mode="real")
-        return traced(*[leaves[i] for i in where])
+        with fake_mode, tt.tracing_kernels(), _no_direct_launches(), torch.no_grad(), _autocast_off():
+            # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
+            decompositions = select_decomp_table()
+            traced = make_fx(torch.func.functionalize(body), decomposition_table=decompositions, tracing_mode="real")
+            return traced(*[leaves[i] for i in where])
 
 
 # What CUDA autocast changes (its policy lists, aten/src/ATen/autocast_mode.cpp), by aten op name, as they appear in a
@@ -224,7 +224,7 @@ class Inliner:
             return Declined("its Python body is not available from torch.library")
         function = functions[0]
         try:
-            gm = _trace(function, args, kwargs, fake_mode, _autocast_off())
+            gm = _trace(function, args, kwargs, fake_mode)
             _check(gm)
             _check_autocast(gm)
         except Declined as reason:
