@@ -6,6 +6,7 @@ Supported: torch >= 2.11.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -271,3 +272,59 @@ def dynamo_messages_since(before: dict[str, int]) -> list[str]:
     """The graph-break messages (:func:`dynamo_graph_break_messages`) Dynamo counted again since ``before``, a
     snapshot of them."""
     return [m for m, n in dynamo_graph_break_messages().items() if n > before.get(m, 0)]
+
+
+# torch's analysis of which arguments a user-defined Triton kernel reads and writes: identify_accessed_tensors
+# (torch >= 2.12, reads and writes) or identify_mutated_tensors (earlier, the written argument names)
+_KERNEL_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+
+
+def memoized_kernel_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
+    """``analysis(kernel, kwargs, tma_descriptor_metadata)``, computed once per kernel and per what it reads of the
+    arguments. It compiles the kernel to Triton IR on each call (about 17 ms on CI's CPU) for tensors of the given
+    dtypes (``generate_ttir`` stands a 2-element tensor of the dtype in for each tensor, 2 for each symbolic value)
+    and the given constants; Inductor calls it two or three times for every launch in a graph, so that a model of
+    many inlined calls (``FuserConfig.inline_ops``) spends minutes compiling what a few kernels' signatures
+    determine. Each call returns its own copy of the result."""
+    cache: dict[Any, Any] = {}
+
+    def arg_key(value: Any) -> Any:
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or type(value).__module__.startswith(
+            "sympy"
+        ):
+            return ("symbolic",)
+        dtype = getattr(value, "dtype", None)
+        if isinstance(dtype, torch.dtype) and not isinstance(value, (int, float, bool)):
+            return ("tensor", type(value).__name__, str(dtype))  # a (fake) tensor, an Inductor TensorBox
+        return ("value", type(value).__name__, repr(value))
+
+    def memoized(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> Any:
+        try:
+            key = (kernel, tuple((k, arg_key(v)) for k, v in kwargs.items()), repr(tma_descriptor_metadata))
+            hash(key)
+        except TypeError:  # an argument that cannot be a key: no memo for this call
+            return analysis(kernel, kwargs, tma_descriptor_metadata)
+        if key not in cache:
+            cache[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+        return copy.deepcopy(cache[key])
+
+    memoized.fuser_memoized = analysis  # type: ignore[attr-defined]
+    return memoized
+
+
+def memoize_kernel_analysis() -> bool:
+    """Install :func:`memoized_kernel_analysis` over torch's kernel analysis, once per process (it is a pure
+    function of what the key holds, so every later caller gets the same answers sooner); False where this torch
+    has neither analysis."""
+    try:
+        import torch._higher_order_ops.triton_kernel_wrap as wrap
+    except ImportError:  # pragma: no cover - torch without user-defined Triton kernel support
+        return False
+    for name in _KERNEL_ANALYSES:
+        current = getattr(wrap, name, None)
+        if current is None:
+            continue
+        if not hasattr(current, "fuser_memoized"):
+            setattr(wrap, name, memoized_kernel_analysis(current))
+        return True
+    return False

@@ -169,6 +169,8 @@ class FuserBackend:
             return _compat.lookup_dynamo_backend("aot_eager")(gm, example_inputs)
         post_grad = _post_grad_pass(self.config, self.post_grad_counts, self.inliner)
         direct_calls.register()  # before Inductor gives fuser's ops (these overloads among them) their fallbacks
+        if self.config.inline_ops:
+            _compat.memoize_kernel_analysis()  # Inductor analyses every inlined launch: once per kernel signature
         patches: dict[str, Any] = {"post_grad_custom_post_pass": post_grad}
         if not self.config.cuda_graphs:
             return _compat.inductor_compile(gm, example_inputs, config_patches=patches)

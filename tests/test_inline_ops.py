@@ -269,3 +269,37 @@ def test_calls_sharing_a_trace_write_their_own_buffers_in_place(known_writes):
     decompose_triton_kernel_wrapper_functional(gm.graph)
     assert len([n for n in gm.graph.nodes if "triton_kernel_wrapper_mutation" in str(n.target)]) == 2
     assert not calls(gm, torch.ops.aten.clone.default), gm.code
+
+
+def test_kernel_analysis_is_memoized_by_kernel_dtypes_and_constants():
+    """Inductor analyses which arguments a Triton kernel writes for every launch in a graph (compiling the kernel
+    to Triton IR each time); the memo computes it once per kernel, tensor dtypes and constants, which is all that
+    analysis reads, and hands each caller its own copy."""
+    from fuser import _compat
+
+    seen = []
+
+    def analysis(kernel, kwargs, tma):
+        seen.append(dict(kwargs))
+        return ["y_ptr"]
+
+    memo = _compat.memoized_kernel_analysis(analysis)
+    mode = FakeTensorMode()
+    with mode:
+        a, b = torch.randn(4, 8, device="cuda"), torch.randn(16, 2, device="cuda")  # other shapes, same dtype
+        c = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
+    kernel = R.rms_norm_fwd_kernel
+    first = memo(kernel, {"y_ptr": a, "n": 4, "BLOCK": 16}, {})
+    first.append("changed by its caller")
+    assert memo(kernel, {"y_ptr": b, "n": 4, "BLOCK": 16}, {}) == ["y_ptr"] and len(seen) == 1
+    memo(kernel, {"y_ptr": c, "n": 4, "BLOCK": 16}, {})  # another dtype
+    memo(kernel, {"y_ptr": a, "n": 5, "BLOCK": 16}, {})  # another constant
+    memo(R.rms_norm_bwd_kernel, {"y_ptr": a, "n": 4, "BLOCK": 16}, {})  # another kernel
+    assert len(seen) == 4
+    assert _compat.memoize_kernel_analysis() in (True, False)
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+    installed = [getattr(wrap, n) for n in _compat._KERNEL_ANALYSES if hasattr(wrap, n)]
+    assert installed and hasattr(installed[0], "fuser_memoized")
+    _compat.memoize_kernel_analysis()  # once: not wrapped twice
+    assert not hasattr(installed[0].fuser_memoized, "fuser_memoized")
