@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fuser
-from fuser.engine import inline_ops
+from fuser.engine import inline_ops, launches
 from fuser.kernels import _triton as tt
 from fuser.kernels import rms_norm as R
 from tests.models.tiny import batch, build, grads, rel, with_lora
@@ -76,7 +76,7 @@ def calls(gm, target):
 def test_launchable_is_the_kernel_itself_outside_a_trace():
     kernel = R.rms_norm_fwd_kernel
     assert tt.launchable(kernel) is kernel
-    with tt.tracing_kernels():
+    with launches.tracing_kernels():
         traced = tt.launchable(kernel)
     assert traced is not kernel and traced.kernel is kernel  # torch.library.wrap_triton's wrapper
     assert tt.launchable(kernel) is kernel

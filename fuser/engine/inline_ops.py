@@ -9,7 +9,7 @@ configuration, ``JITFunction.run`` around each kernel. On the H200's host that i
 The body depends only on what the graph already knows at compile time (shapes, strides, dtypes, the op's constant
 arguments), so this pass runs it once, at compile time, on the node's fake values, with each kernel launch recorded
 as Inductor's ``triton_kernel_wrapper_functional`` node (``torch.library.wrap_triton``, through
-:func:`fuser.kernels._triton.launchable`), and puts the traced ops in the op's place. Inductor then allocates the
+:func:`fuser.engine.launches.launchable`), and puts the traced ops in the op's place. Inductor then allocates the
 buffers in its memory plan and launches the kernels as it launches its own (what ``torch.library.triton_op`` does
 for an op, but after fuser's post-grad passes have seen the ops whole). Same kernels, same arguments: the results
 are the op's.
@@ -47,7 +47,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fuser import _compat
-from fuser.kernels import _triton as tt
+from fuser.engine.launches import tracing_kernels
 
 NAMESPACE = "fuser"
 
@@ -136,7 +136,7 @@ def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: A
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast's "CUDA is not available" where there is no GPU (CPU tests)
-        with fake_mode, tt.tracing_kernels(), _no_direct_launches(), torch.no_grad(), _autocast_off():
+        with fake_mode, tracing_kernels(), _no_direct_launches(), torch.no_grad(), _autocast_off():
             # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
             decompositions = select_decomp_table()
             traced = make_fx(torch.func.functionalize(body), decomposition_table=decompositions, tracing_mode="real")

@@ -14,11 +14,11 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
+from fuser.engine.launches import launchable  # noqa: F401  (how every kernel module launches its kernels)
 
 try:  # Triton is optional: without it every op runs its reference path.
     import triton
@@ -122,32 +122,6 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:  # an attribute, not the device object (1 µs a call on CI's CPU, several a fused op)
         return not _INTERPRETING
     return t.is_cpu and _INTERPRETING and _TRITON_ON_CPU.get()
-
-
-_TRACING_KERNELS: ContextVar[bool] = ContextVar("fuser_tracing_kernels", default=False)
-
-
-@contextmanager
-def tracing_kernels() -> Iterator[None]:
-    """Inside this block :func:`launchable` gives the traceable form of each kernel: what
-    :mod:`fuser.engine.inline_ops` traces an op's body in, so that its launches become graph nodes."""
-    token = _TRACING_KERNELS.set(True)
-    try:
-        yield
-    finally:
-        _TRACING_KERNELS.reset(token)
-
-
-def launchable(kernel: Any) -> Any:
-    """``kernel``, to be launched as ``launchable(kernel)[grid](...)``: every fused op launches its kernels this way.
-    While an op's body is traced (:func:`tracing_kernels`), ``torch.library.wrap_triton(kernel)``, whose launch is
-    recorded in the graph (and Inductor then launches the kernel from its generated code); otherwise the kernel
-    itself, at the cost of one context-variable read."""
-    if _TRACING_KERNELS.get():
-        from torch.library import wrap_triton
-
-        return wrap_triton(kernel)
-    return kernel
 
 
 def kernel_dtypes(*tensors: torch.Tensor | None, out_dtypes: Iterable[torch.dtype | None] = ()) -> bool:
