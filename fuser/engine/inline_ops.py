@@ -2,8 +2,8 @@
 
 A fused op called from a compiled graph runs its Python body on every call: checks, buffer allocation, the launch
 configuration, ``JITFunction.run`` around each kernel. On the H200's host that is 70–250 µs a call, against about
-25 µs for each kernel Inductor launches from its generated code; a Gemma-3-4B LoRA step calls fused ops about
-1,600 times, and its host took longer to launch a step than the GPU took to run it
+25 µs for each kernel Inductor launches from its generated code; a Gemma-3-4B LoRA step calls fused ops over a
+thousand times, and its host took longer to launch a step than the GPU took to run it
 (``benchmarks/results/host_bound_gemma3_qwen25_h200_2026-12-03.md``).
 
 The body depends only on what the graph already knows at compile time (shapes, strides, dtypes, the op's constant
