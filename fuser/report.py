@@ -116,6 +116,11 @@ class Report:
                 lines.append(f"  {'':<20} {one.reason}")
         if self.break_messages:
             lines.append("Dynamo's graph-break messages: " + "; ".join(self.break_messages))
+        if self.inlined or self.not_inlined:
+            done = ", ".join(f"{k}={v}" for k, v in sorted(self.inlined.items())) or "none"
+            lines.append(f"inlined calls (FuserConfig.inline_ops: Inductor launches their kernels): {done}")
+            for op, why in sorted(self.not_inlined.items()):
+                lines.append(f"  not inlined: {op}: {why}")
         return "\n".join(lines)
 
 

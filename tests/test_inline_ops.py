@@ -303,3 +303,14 @@ def test_kernel_analysis_is_memoized_by_kernel_dtypes_and_constants():
     assert installed and hasattr(installed[0], "fuser_memoized")
     _compat.memoize_kernel_analysis()  # once: not wrapped twice
     assert not hasattr(installed[0].fuser_memoized, "fuser_memoized")
+
+
+def test_the_report_prints_what_was_inlined_and_why_not():
+    from fuser.report import Report
+
+    plain = str(Report(graphs=1))
+    assert "inlined" not in plain  # nothing said where the option was off
+    report = Report(graphs=1, inlined={"rms_norm": 3}, not_inlined={"linear_cross_entropy": "its body calls aten.mm"})
+    text = str(report)
+    assert "inlined calls (FuserConfig.inline_ops: Inductor launches their kernels): rms_norm=3" in text
+    assert "  not inlined: linear_cross_entropy: its body calls aten.mm" in text
