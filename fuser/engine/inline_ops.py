@@ -47,9 +47,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fuser import _compat
+from fuser.engine.direct_calls import NAMESPACE
 from fuser.engine.launches import tracing_kernels
-
-NAMESPACE = "fuser"
 
 
 class Declined(Exception):
@@ -300,7 +299,7 @@ def _splice(
                 if "eager_input_vals" in new.meta:  # the strides Inductor holds a Triton kernel's arguments to
                     new.meta["eager_input_vals"] = (args, kwargs)
                 env[inner] = new
-                if new.op == "call_function" and _default_overload(new.target) is not None:
+                if _default_overload(new.target) is not None:
                     added.append(new)
     if isinstance(node.meta.get("val"), (tuple, list)):
         for user in list(node.users):
