@@ -267,6 +267,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        gate_scale, up_scale = tl.cast(gate_scale, tl.float32), tl.cast(up_scale, tl.float32)
         rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         g = tl.load(gate_ptr + rows * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + rows * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -317,6 +319,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        gate_scale, up_scale = tl.cast(gate_scale, tl.float32), tl.cast(up_scale, tl.float32)
         # the forward kernel's opening (the tile, fp32 loads of the first operands), here of the backward's operands
         rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
         dout = tl.load(dout_ptr + rows * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)

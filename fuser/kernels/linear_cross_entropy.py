@@ -271,6 +271,8 @@ if HAS_TRITON:
         WRITE_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        logit_scale, softcap = tl.cast(logit_scale, tl.float32), tl.cast(softcap, tl.float32)
         row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)

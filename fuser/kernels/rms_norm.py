@@ -126,6 +126,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
         row_mask = rows < n_rows
@@ -185,6 +187,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols

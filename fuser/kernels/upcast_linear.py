@@ -63,6 +63,8 @@ if HAS_TRITON:
     def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, scale, n_rows, n_in, n_out, x_row_stride, w_stride_out,
                                  w_stride_in, k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                  OUT_P: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        scale = tl.cast(scale, tl.float32)
         # y[split, rows, :] = scale · x[rows, ks of the split] @ W[:, ks of the split]ᵀ with fp32 sums, x read in
         # its own dtype (W [n_out, n_in] at any strides); one split (the whole of n_in) unless the caller splits it
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,6 +90,8 @@ if HAS_TRITON:
                                 dy_row_stride, w_stride_out, w_stride_in, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 OUT_P: tl.constexpr, PRECISION: tl.constexpr, HAS_BASE: tl.constexpr,
                                 ROUND_TERM: tl.constexpr, HAS_WIDE: tl.constexpr, ROW_TILES: tl.constexpr):  # fmt: skip
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        scale = tl.cast(scale, tl.float32)
         # dx[rows, cols] = (dy[rows, :] @ W[:, cols]) in fp32, rounded once to dx's dtype (W [n_out, n_in] at any
         # strides, dy at any row stride: a LoRA A output shared by several adapters, sliced); with HAS_BASE:
         # (base + scale · (dy @ W)) in fp32, rounded once (fuser::lora_sum's forward), or
@@ -123,6 +127,8 @@ if HAS_TRITON:
                                 dy_row_stride, x_row_stride, rows_per_split, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, OUT_P: tl.constexpr, PRECISION: tl.constexpr,
                                 NORM: tl.constexpr = False, HAS_NW: tl.constexpr = False):  # fmt: skip
+        # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
+        scale, offset = tl.cast(scale, tl.float32), tl.cast(offset, tl.float32)
         # partial[split, :, cols] = scale · dy[rows of the split, :]ᵀ @ x[rows of the split, cols], fp32 sums; with
         # NORM, x is an RMSNorm's input and the dot reads its output instead, rebuilt as the norm's kernel computes
         # it: (x · rstd[row] · (w[col] + offset)) in fp32, rounded to x's dtype (fuser::upcast_linear_normed)
