@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from jobs import JOBS, TINY_BATCH, TINY_SEQ, TRAIN_STEP_LR
-from train_step_memory import memory_at_peak
+from train_step_memory import memory_at_peak, record_memory_history
 from train_step_model import apply_liger, build_model, fuser_config, make_batches
 from train_step_profile import profile_steps
 from train_step_report import versions
@@ -92,6 +92,9 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
     result["phase"] = "build"
     if mode == "liger":
         apply_liger(job)
+    if args.memory_at_peak and device.type == "cuda":
+        # allocation sites of what is still live when the memory step begins (train_step_memory.memory_at_peak)
+        record_memory_history()
     model = build_model(job, args, device, dtype, seq)
     result["layers"] = model.config.num_hidden_layers
     result["params"] = sum(p.numel() for p in model.parameters())
@@ -163,7 +166,10 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
         result["profile"] = profile_steps(result, args, profiled, train_step, sync, device)
     if args.memory_at_peak:
         result["phase"] = "memory"
-        result["memory_at_peak"] = memory_at_peak(result, args, batches[-1], train_step, sync, device)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        known = {p.data_ptr() for p in params}  # with the optimizer state: what is expected to live between steps
+        known |= {v.data_ptr() for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}
+        result["memory_at_peak"] = memory_at_peak(result, args, batches[-1], train_step, sync, device, known)
     result["phase"] = "done"
 
 

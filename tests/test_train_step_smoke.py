@@ -162,6 +162,21 @@ def test_live_at_peak_replays_the_allocator_trace(memory):
     assert memory.live_at_peak([]) == (0, [])
 
 
+def test_python_holders_names_what_keeps_a_stray_tensor(memory):
+    """--memory-at-peak's list of tensors live between steps: a stray 4 MiB tensor kept in a dict is listed with
+    the dict as its holder; a known one (a parameter's pointer) and a small one are not."""
+    stray = torch.randn(1 << 20)  # 4 MiB
+    known = torch.randn(1 << 20)
+    small = torch.randn(1000)
+    keeper = {"stray_keep": stray}
+    lines = memory.python_holders({known.data_ptr()}, device_type="cpu")
+    listed = [line for line in lines if line.startswith("- (1048576,)")]
+    assert len(listed) == 1, lines
+    at = lines.index(listed[0])
+    assert any("'stray_keep'" in line for line in lines[at + 1 :]), lines
+    assert small.numel() == 1000 and keeper  # kept alive past the scan
+
+
 def test_fuser_options_by_name_reach_the_config():
     import argparse
 
