@@ -28,8 +28,10 @@ same:
 Off by default (``FuserConfig(inline_ops=True)`` turns it on). Measured on the H200
 (``benchmarks/results/inline_ops_gemma3_h200_2026-12-04.md``): a Gemma-3-4B LoRA step, host-bound with calls,
 became GPU-bound and steady at 1.3x Inductor, with the calls' losses. The Llama-3.2-1B full fine-tune and Qwen2.5-7B
-LoRA steps, GPU-bound either way, did not gain, and the 1B's peak rose 2.3 GiB (not explained yet). Compile time
-rose (Gemma: 134-192 s against 99 s). Inductor types a Python float launch argument fp64, where Triton's launch types
+LoRA steps (and Llama-3-8B LoRA), GPU-bound either way, did not gain. The 1B's peak rose 2.3 GiB: the backward's
+outputs, the gradients, stay allocated between steps; what holds them is not found yet
+(``inline_ops_ab_memory_h200_2026-12-04_2112.md``). Compile time rose (Gemma: 134-192 s against 99 s).
+Inductor types a Python float launch argument fp64, where Triton's launch types
 it fp32: each kernel casts its float scalars to fp32 first, or an inlined kernel would compute in fp64
 (``tests/kernels/test_sm90_compile.py`` checks every kernel for this).
 """
