@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
@@ -43,6 +44,47 @@ def record_memory_history() -> None:
     """Record the CUDA allocator's events with Python stacks from now on (before the model is built), so that
     :func:`memory_at_peak` can say where what is live before its step was allocated."""
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
+
+
+class GradientWatch:
+    """Weak references to the storage of every gradient autograd hands the trainable parameters, by step: which
+    steps' backward outputs are still allocated later (:meth:`alive`), whoever holds them (Python or C++: the
+    references are the storages' own, as CUDA-graph trees keep them, not Python objects', which die as soon as the
+    hook returns). Tells a gradient the first backward left behind for good from the last step's, kept until the
+    next backward. The hooks return None, so autograd keeps the gradients as it would; they cost one Python call
+    per parameter and step, so a run with them is not one to report timings from."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.steps: list[list[tuple[StorageWeakRef, int]]] = []
+        for param in params:
+            param.register_hook(self._seen)
+
+    def begin_step(self) -> None:
+        self.steps.append([])
+
+    def _seen(self, grad: torch.Tensor) -> None:
+        if self.steps:
+            storage = grad.untyped_storage()
+            self.steps[-1].append((StorageWeakRef(storage), storage.nbytes()))
+
+    def alive(self) -> list[tuple[int, int, int, int]]:
+        """(step, gradients delivered, still allocated, their storage bytes), per step, after a collection."""
+        gc.collect()
+        rows = []
+        for step, refs in enumerate(self.steps):
+            live = [size for ref, size in refs if not ref.expired()]
+            rows.append((step, len(refs), len(live), sum(live)))
+        return rows
+
+    def lines(self) -> list[str]:
+        rows = self.alive()
+        out = [
+            "Gradients autograd delivered to the parameters in each step, still allocated as the memory step "
+            "begins (after the last step's `zero_grad(set_to_none=True)`):",
+            "",
+        ]
+        out += [f"- step {s}: {n_alive} of {n} ({size / 2**30:.3f} GiB)" for s, n, n_alive, size in rows]
+        return out
 
 
 def _describe(obj: Any) -> str:
@@ -83,12 +125,22 @@ def python_holders(known: set[int], limit: int = 8, device_type: str = "cuda") -
 
 
 def memory_at_peak(
-    result, args, ids, train_step, sync, device: torch.device, known: set[int] | None = None
+    result,
+    args,
+    ids,
+    train_step,
+    sync,
+    device: torch.device,
+    known: set[int] | None = None,
+    watch: GradientWatch | None = None,
 ) -> dict[str, Any] | None:
     """One more step with the CUDA allocator's history recorded; replay its trace to the moment the allocated
     bytes peak and write what is live then, grouped by where it was allocated (the first frame outside torch's
     own files, with its source line: Inductor's generated code names the buffer and its shape there), to
     ``memory_<job>_<mode>.md`` in ``--memory-at-peak``."""
+    gradients = watch.lines() if watch is not None else []  # before the memory step adds one of its own
+    if watch is not None:
+        result["gradients_alive"] = [list(row) for row in watch.alive()]
     if device.type != "cuda":
         print("train_step: --memory-at-peak needs CUDA; skipped", file=sys.stderr)
         return None
@@ -161,6 +213,8 @@ def memory_at_peak(
         lines += ["| GiB | blocks | largest MiB | allocated at |", "|---:|---:|---:|---|"]
         for site, sizes in sorted(before_groups.items(), key=lambda kv: -sum(kv[1]))[:30]:
             lines.append(f"| {sum(sizes) / gib:.3f} | {len(sizes)} | {max(sizes) / 2**20:.1f} | {site} |")
+    if gradients:
+        lines += ["", *gradients]
     if known is not None:
         lines += ["", "CUDA tensors live as the step begins that are neither parameters nor optimizer state:", ""]
         lines += holders

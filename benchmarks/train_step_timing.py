@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from jobs import JOBS, TINY_BATCH, TINY_SEQ, TRAIN_STEP_LR
-from train_step_memory import memory_at_peak, record_memory_history
+from train_step_memory import GradientWatch, memory_at_peak, record_memory_history
 from train_step_model import apply_liger, build_model, fuser_config, make_batches
 from train_step_profile import profile_steps
 from train_step_report import versions
@@ -107,6 +107,8 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
         import fuser
 
         model = fuser.optimize(model, fuser_config(args))
+    # which steps' gradients are still allocated when the memory step begins (--memory-at-peak only)
+    watch = GradientWatch([p for p in model.parameters() if p.requires_grad]) if args.memory_at_peak else None
     n_profile = (3 if args.profile else 0) + (1 if args.memory_at_peak else 0)
     batches = make_batches(args.warmup + args.steps + n_profile, batch, seq, model.config.vocab_size, 1, device)
 
@@ -118,6 +120,8 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
     extra = {"attention_mask": torch.ones_like(batches[0])} if args.attention_mask else {}
 
     def train_step(ids: torch.Tensor) -> torch.Tensor:
+        if watch is not None:
+            watch.begin_step()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.autocast):
             loss = model(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
@@ -169,7 +173,7 @@ def build_and_time(result: dict[str, Any], args: argparse.Namespace, device: tor
         params = [p for group in optimizer.param_groups for p in group["params"]]
         known = {p.data_ptr() for p in params}  # with the optimizer state: what is expected to live between steps
         known |= {v.data_ptr() for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}
-        result["memory_at_peak"] = memory_at_peak(result, args, batches[-1], train_step, sync, device, known)
+        result["memory_at_peak"] = memory_at_peak(result, args, batches[-1], train_step, sync, device, known, watch)
     result["phase"] = "done"
 
 

@@ -177,6 +177,35 @@ def test_python_holders_names_what_keeps_a_stray_tensor(memory):
     assert small.numel() == 1000 and keeper  # kept alive past the scan
 
 
+def test_gradient_watch_tells_which_steps_gradients_are_still_allocated(memory):
+    """--memory-at-peak's gradient watch: a gradient something keeps past its step is counted alive for that step
+    alone; the gradients an optimizer step and zero_grad(set_to_none=True) release are not."""
+    model = torch.nn.Linear(64, 64)
+    watch = memory.GradientWatch(list(model.parameters()))
+    kept = []
+    # what a leak would do: a reference to the backward's output past zero_grad (in step 1 only)
+    model.weight.register_hook(lambda grad: kept.append(grad) if len(watch.steps) == 2 else None)
+    for _ in range(3):
+        watch.begin_step()
+        model(torch.randn(8, 64)).sum().backward()
+        model.zero_grad(set_to_none=True)
+    rows = watch.alive()
+    assert [(s, n, alive) for s, n, alive, _ in rows] == [(0, 2, 0), (1, 2, 1), (2, 2, 0)]
+    assert rows[1][3] == 64 * 64 * 4
+    assert "- step 1: 1 of 2 (0.000 GiB)" in watch.lines()
+    assert kept
+
+
+def test_memory_at_peak_on_cpu_records_which_gradients_stay_allocated(train_step, tmp_path):
+    """Without CUDA the allocator replay is skipped, but the run still records, per step, how many gradients are
+    still allocated: none, after each step's zero_grad(set_to_none=True)."""
+    result = _run(train_step, tmp_path, "eager", "--memory-at-peak", str(tmp_path / "mem"))
+    assert result["status"] == "ok"
+    rows = result["gradients_alive"]
+    assert [row[0] for row in rows] == [0, 1, 2]  # warm-up and timed steps; the memory step is not counted
+    assert all(row[1] > 0 and row[2] == 0 and row[3] == 0 for row in rows), rows
+
+
 def test_fuser_options_by_name_reach_the_config():
     import argparse
 
