@@ -64,8 +64,10 @@ class FuserConfig:
                      for those shapes (its buffers and kernel launches), so a call no longer runs that body (70–250
                      µs of host time each on the H200's host). Same kernels, same arguments. It helps a host-bound
                      step (Gemma-3-4B LoRA on the H200: 1.3x Inductor, steady), not a GPU-bound one, and costs
-                     compile time (+35-95%); on a full fine-tune the last backward's gradients stay allocated between
-                     steps (2.3 GiB on a 1B; what holds them is not found yet). So it is off by default. A call that
+                     compile time (+35-95%). It kept the first backward's gradients allocated for good (the 1B full
+                     fine-tune's +2.3 GiB is their size): fixed on 2026-12-06 (the cause is in
+                     ``fuser/engine/inline_ops.py``), not yet measured on the GPU since. So it is off by default. A
+                     call that
                      might not compute the same inlined (it writes an input, its shapes are dynamic, it calls a
                      matmul that the caller's autocast would change) stays a call;
                      ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``).

@@ -28,9 +28,14 @@ same:
 Off by default (``FuserConfig(inline_ops=True)`` turns it on). Measured on the H200
 (``benchmarks/results/inline_ops_gemma3_h200_2026-12-04.md``): a Gemma-3-4B LoRA step, host-bound with calls,
 became GPU-bound and steady at 1.3x Inductor, with the calls' losses. The Llama-3.2-1B full fine-tune and Qwen2.5-7B
-LoRA steps (and Llama-3-8B LoRA), GPU-bound either way, did not gain. The 1B's peak rose 2.3 GiB: the backward's
-outputs, the gradients, stay allocated between steps; what holds them is not found yet
-(``inline_ops_ab_memory_h200_2026-12-04_2112.md``). Compile time rose (Gemma: 134-192 s against 99 s).
+LoRA steps (and Llama-3-8B LoRA), GPU-bound either way, did not gain. The 1B's peak rose 2.3 GiB, the size of its
+gradients (``inline_ops_ab_memory_h200_2026-12-04_2112.md``). The cause, found on an H100 on 2026-12-06
+(``inline_ops_held_gradients_h100_2026-12-06.md``): the first backward's gradients stayed allocated for good, and
+only when the backward was compiled (not loaded from Inductor's cache), because this pass kept the exceptions that
+said why a call stays a call, and with them their tracebacks: every frame up the compile's stack, AOT autograd's
+backward frame among them, whose local then holds that backward's outputs. It now keeps the reasons' words
+(``tests/test_inline_ops.py`` reproduces the held frame on CPU); the GPU figure after the fix is not measured yet.
+Compile time rose (Gemma: 134-192 s against 99 s).
 Inductor types a Python float launch argument fp64, where Triton's launch types
 it fp32: each kernel casts its float scalars to fp32 first, or an inlined kernel would compute in fp64
 (``tests/kernels/test_sm90_compile.py`` checks every kernel for this).
@@ -197,7 +202,11 @@ class Inliner:
     """Traces each op signature once (a model's layers repeat the same calls) and splices the result in."""
 
     def __init__(self) -> None:
-        self._traced: dict[Any, torch.fx.GraphModule | Declined] = {}
+        # a signature's trace, or why it stays a call: the reason's words, never the exception itself, whose
+        # traceback would keep every frame up the compile's stack alive as long as this inliner (the backend) lives,
+        # among them AOT autograd's frame that runs the first backward right after compiling it, and so that
+        # backward's outputs, the model's gradients (module docstring)
+        self._traced: dict[Any, torch.fx.GraphModule | str] = {}
         self.inlined: dict[str, int] = {}  # op name -> calls inlined
         self.declined: dict[str, str] = {}  # op name -> the last reason a call of it stayed a call
         self.seconds = 0.0  # compile time spent here: tracing bodies and splicing them in
@@ -216,25 +225,26 @@ class Inliner:
         cached = self._traced.get(key)
         if cached is None:
             cached = self._traced[key] = self._trace_checked(op, args, kwargs, fake_mode)
-        if isinstance(cached, Declined):
-            raise cached
+        if isinstance(cached, str):
+            raise Declined(cached)  # a new exception each time: a remembered one would gather this stack too
         return cached
 
     @staticmethod
-    def _trace_checked(op, args, kwargs, fake_mode) -> torch.fx.GraphModule | Declined:
+    def _trace_checked(op, args, kwargs, fake_mode) -> torch.fx.GraphModule | str:
+        """The body's checked trace, or why the call stays a call (see ``_traced``: words, not the exception)."""
         functions = _compat.custom_op_functions(op)
         if functions is None:
-            return Declined("its Python body is not available from torch.library")
+            return "its Python body is not available from torch.library"
         function = functions[0]
         try:
             gm = _trace(function, args, kwargs, fake_mode)
             _check(gm)
             _check_autocast(gm)
         except Declined as reason:
-            return reason
+            return str(reason)
         except Exception as error:  # noqa: BLE001 - any failure to trace leaves the call as it was
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            return Declined(f"its body could not be traced ({type(error).__name__}: {first[:160]})")
+            return f"its body could not be traced ({type(error).__name__}: {first[:160]})"
         return gm
 
     def inline(self, graph: torch.fx.Graph) -> int:
