@@ -29,9 +29,9 @@ Off by default (``FuserConfig(inline_ops=True)`` turns it on). Measured on the H
 (``benchmarks/results/inline_ops_gemma3_h200_2026-12-04.md``): a Gemma-3-4B LoRA step, host-bound with calls,
 became GPU-bound and steady at 1.3x Inductor, with the calls' losses. The Llama-3.2-1B full fine-tune and Qwen2.5-7B
 LoRA steps (and Llama-3-8B LoRA), GPU-bound either way, did not gain. The 1B's peak rose 2.3 GiB, the size of its
-gradients (``inline_ops_ab_memory_h200_2026-12-04_2112.md``). The cause, found on an H100 on 2026-12-06
+gradients (``inline_ops_ab_memory_h200_2026-12-04_2112.md``). Measured on an H100 on 2026-12-06
 (``inline_ops_held_gradients_h100_2026-12-06.md``): the first backward's gradients stayed allocated for good, and
-only when the backward was compiled (not loaded from Inductor's cache), because this pass kept the exceptions that
+only when the backward was compiled (not loaded from Inductor's cache). The cause: this pass kept the exceptions that
 said why a call stays a call, and with them their tracebacks: every frame up the compile's stack, AOT autograd's
 backward frame among them, whose local then holds that backward's outputs. It now keeps the reasons' words
 (``tests/test_inline_ops.py`` reproduces the held frame on CPU); the GPU figure after the fix is not measured yet.
