@@ -168,6 +168,27 @@ def test_a_declined_call_keeps_no_frame_of_its_compile_alive(monkeypatch):
     assert first() is None and again() is None
 
 
+def test_an_inlined_call_keeps_no_frame_of_its_compile_alive(known_writes):
+    """The same for a call that is inlined: its remembered trace holds nothing of the frames that compiled it."""
+    import gc
+    import weakref
+
+    inliner = inline_ops.Inliner()
+
+    class Outputs:
+        pass
+
+    def compile_then_run():
+        assert inliner.inline(graph_of(norm_then_scale, (2, 8, 256), (256,)).graph) == 1
+        outputs = Outputs()
+        return weakref.ref(outputs)
+
+    first, again = compile_then_run(), compile_then_run()  # the second reuses the first's trace
+    gc.collect()
+    assert inliner.inlined == {"rms_norm": 2}
+    assert first() is None and again() is None
+
+
 def test_calls_on_cpu_tensors_stay_calls(known_writes):
     gm = graph_of(norm_then_scale, (2, 8, 256), (256,), device="cpu")
     inliner = inline_ops.Inliner()
@@ -251,6 +272,34 @@ def test_gpu_lora_step_launches_the_kernels_from_inductor_as_close_to_fp32(arch,
             assert sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), errors
         for n, (err, err_cmp) in errors.items():
             assert err <= 2 * err_cmp + 1e-3, f"{n}: inlined {err:.2e}, {label} {err_cmp:.2e} vs fp32"
+
+
+@pytest.mark.gpu
+def test_gpu_full_fine_tune_frees_the_first_steps_gradients(no_inductor_cache):
+    """With inline_ops on and the graphs compiled (not from a cache), every step's gradients are freed by the next
+    step's ``zero_grad(set_to_none=True)``, the first step's too: on 12-06 an H100 showed the first backward's
+    kept for good, through the inliner's remembered exceptions (see the CPU test above). Checked through weak
+    references to the gradients' storages, which see a holder Python cannot."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = build("llama", torch.bfloat16).cuda()  # every parameter trains: the full fine-tune
+    data = {k: v.cuda() for k, v in batch(seq=64).items()}
+    compiled = fuser.optimize(model, fuser.FuserConfig(strict=True, inline_ops=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    by_step: list[list[StorageWeakRef]] = []
+    for param in model.parameters():
+        param.register_hook(lambda grad: by_step[-1].append(StorageWeakRef(grad.untyped_storage())))
+    for _ in range(3):
+        by_step.append([])
+        compiled(**data).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert fuser.report(model).inlined, fuser.report(model).not_inlined  # the pass ran: graphs were compiled
+    import gc
+
+    gc.collect()
+    alive = [sum(not ref.expired() for ref in refs) for refs in by_step]
+    assert all(by_step) and alive == [0, 0, 0], alive
 
 
 def test_a_kernel_launched_directly_in_a_trace_declines_instead_of_running():
