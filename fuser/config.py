@@ -67,9 +67,8 @@ class FuserConfig:
                      compile time (+35-95%). It kept the first backward's gradients allocated for good (the 1B full
                      fine-tune's +2.3 GiB is their size): fixed on 2026-12-06 (the cause is in
                      ``fuser/engine/inline_ops.py``), not yet measured on the GPU since. So it is off by default. A
-                     call that
-                     might not compute the same inlined (it writes an input, its shapes are dynamic, it calls a
-                     matmul that the caller's autocast would change) stays a call;
+                     call that might not compute the same inlined (it writes an input, its shapes are dynamic, it
+                     calls a matmul that the caller's autocast would change) stays a call;
                      ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``).
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
                      one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
