@@ -76,8 +76,8 @@ class GradientWatch:
             rows.append((step, len(refs), len(live), sum(live)))
         return rows
 
-    def lines(self) -> list[str]:
-        rows = self.alive()
+    def lines(self, rows: list[tuple[int, int, int, int]]) -> list[str]:
+        """``rows`` (:meth:`alive`'s) as the report's lines."""
         out = [
             "Gradients autograd delivered to the parameters in each step, still allocated as the memory step "
             "begins (after the last step's `zero_grad(set_to_none=True)`):",
@@ -138,9 +138,11 @@ def memory_at_peak(
     bytes peak and write what is live then, grouped by where it was allocated (the first frame outside torch's
     own files, with its source line: Inductor's generated code names the buffer and its shape there), to
     ``memory_<job>_<mode>.md`` in ``--memory-at-peak``."""
-    gradients = watch.lines() if watch is not None else []  # before the memory step adds one of its own
-    if watch is not None:
-        result["gradients_alive"] = [list(row) for row in watch.alive()]
+    gradients: list[str] = []
+    if watch is not None:  # before the memory step adds one of its own
+        rows = watch.alive()
+        result["gradients_alive"] = [list(row) for row in rows]
+        gradients = watch.lines(rows)
     if device.type != "cuda":
         print("train_step: --memory-at-peak needs CUDA; skipped", file=sys.stderr)
         return None

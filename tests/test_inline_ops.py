@@ -20,7 +20,7 @@ import fuser
 from fuser.engine import inline_ops, launches
 from fuser.kernels import _triton as tt
 from fuser.kernels import rms_norm as R
-from tests.models.tiny import batch, build, grads, rel, with_lora
+from tests.models.tiny import batch, build, grads, load_benchmark, rel, with_lora
 
 # what rms_norm's forward kernel stores into, for these launches (no residual: the sum pointer is a placeholder)
 RMS_NORM_FWD_WRITES = ["y_ptr", "rstd_ptr"]
@@ -136,6 +136,26 @@ def test_a_kernel_whose_writes_are_not_known_stays_a_call(monkeypatch):
     assert "could not tell which arguments its kernel writes" in inliner.declined["rms_norm"]
 
 
+def _locals_kept_after_inlining(inliner: inline_ops.Inliner, inlined: int) -> list[bool]:
+    """Twice: a function inlines a norm's graph with ``inliner`` (``inlined`` calls replaced), then assigns a local
+    (what AOT autograd's backward frame holds after its compile: the gradients) and returns. Whether each of those
+    locals is still alive after a collection, i.e. whether the inliner kept the function's frame."""
+    import gc
+    import weakref
+
+    class Outputs:
+        pass
+
+    def compile_then_run():
+        assert inliner.inline(graph_of(norm_then_scale, (2, 8, 256), (256,)).graph) == inlined
+        outputs = Outputs()
+        return weakref.ref(outputs)
+
+    refs = [compile_then_run(), compile_then_run()]
+    gc.collect()
+    return [ref() is not None for ref in refs]
+
+
 def test_a_declined_call_keeps_no_frame_of_its_compile_alive(monkeypatch):
     """A call that stays a call is remembered by its reason, not by the exception that said it: an exception's
     traceback holds every frame up the compile's stack for as long as the inliner lives. AOT autograd compiles a
@@ -143,9 +163,6 @@ def test_a_declined_call_keeps_no_frame_of_its_compile_alive(monkeypatch):
     on an H100 a 2-layer model at Llama-3.2-1B's widths kept its first step's gradients, 0.716 GiB, for good (the
     1B full fine-tune's 2.3 GiB is its gradients' size too). Here a local assigned after the inlining, in the frame
     that called it, must die with that frame, also when a second graph re-raises the remembered reason."""
-    import gc
-    import weakref
-
     import torch._higher_order_ops.triton_kernel_wrap as wrap
 
     def every_tensor(kernel_idx, constant_args_idx, kwargs, *rest):  # the analysis fails: the trace declines
@@ -153,40 +170,16 @@ def test_a_declined_call_keeps_no_frame_of_its_compile_alive(monkeypatch):
 
     monkeypatch.setattr(wrap, "get_mutated_tensors", every_tensor)
     inliner = inline_ops.Inliner()
-
-    class Outputs:  # what AOT autograd's backward frame holds after the compile: the gradients
-        pass
-
-    def compile_then_run():
-        assert inliner.inline(graph_of(norm_then_scale, (2, 8, 256), (256,)).graph) == 0
-        outputs = Outputs()
-        return weakref.ref(outputs)
-
-    first, again = compile_then_run(), compile_then_run()  # the second re-raises the reason the first traced
-    gc.collect()
+    # the second compile re-raises the reason the first traced
+    assert _locals_kept_after_inlining(inliner, inlined=0) == [False, False]
     assert "could not tell which arguments its kernel writes" in inliner.declined["rms_norm"]
-    assert first() is None and again() is None
 
 
 def test_an_inlined_call_keeps_no_frame_of_its_compile_alive(known_writes):
     """The same for a call that is inlined: its remembered trace holds nothing of the frames that compiled it."""
-    import gc
-    import weakref
-
     inliner = inline_ops.Inliner()
-
-    class Outputs:
-        pass
-
-    def compile_then_run():
-        assert inliner.inline(graph_of(norm_then_scale, (2, 8, 256), (256,)).graph) == 1
-        outputs = Outputs()
-        return weakref.ref(outputs)
-
-    first, again = compile_then_run(), compile_then_run()  # the second reuses the first's trace
-    gc.collect()
+    assert _locals_kept_after_inlining(inliner, inlined=1) == [False, False]  # the second reuses the first's trace
     assert inliner.inlined == {"rms_norm": 2}
-    assert first() is None and again() is None
 
 
 def test_calls_on_cpu_tensors_stay_calls(known_writes):
@@ -280,26 +273,19 @@ def test_gpu_full_fine_tune_frees_the_first_steps_gradients(no_inductor_cache):
     step's ``zero_grad(set_to_none=True)``, the first step's too: on 12-06 an H100 showed the first backward's
     kept for good, through the inliner's remembered exceptions (see the CPU test above). Checked through weak
     references to the gradients' storages, which see a holder Python cannot."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     model = build("llama", torch.bfloat16).cuda()  # every parameter trains: the full fine-tune
     data = {k: v.cuda() for k, v in batch(seq=64).items()}
     compiled = fuser.optimize(model, fuser.FuserConfig(strict=True, inline_ops=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    by_step: list[list[StorageWeakRef]] = []
-    for param in model.parameters():
-        param.register_hook(lambda grad: by_step[-1].append(StorageWeakRef(grad.untyped_storage())))
+    watch = load_benchmark("train_step_memory").GradientWatch(list(model.parameters()))
     for _ in range(3):
-        by_step.append([])
+        watch.begin_step()
         compiled(**data).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     assert fuser.report(model).inlined, fuser.report(model).not_inlined  # the pass ran: graphs were compiled
-    import gc
-
-    gc.collect()
-    alive = [sum(not ref.expired() for ref in refs) for refs in by_step]
-    assert all(by_step) and alive == [0, 0, 0], alive
+    rows = watch.alive()  # (step, gradients delivered, still allocated, bytes)
+    assert [(n > 0, alive) for _, n, alive, _ in rows] == [(True, 0)] * 3, rows
 
 
 def test_a_kernel_launched_directly_in_a_trace_declines_instead_of_running():

@@ -192,7 +192,7 @@ def test_gradient_watch_tells_which_steps_gradients_are_still_allocated(memory):
     rows = watch.alive()
     assert [(s, n, alive) for s, n, alive, _ in rows] == [(0, 2, 0), (1, 2, 1), (2, 2, 0)]
     assert rows[1][3] == 64 * 64 * 4
-    assert "- step 1: 1 of 2 (0.000 GiB)" in watch.lines()
+    assert "- step 1: 1 of 2 (0.000 GiB)" in watch.lines(rows)
     assert kept
 
 
