@@ -59,17 +59,20 @@ class FuserConfig:
     direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
                      ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
                      past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
-    inline_ops:      Inductor launches the fused ops' Triton kernels from its generated code (default ``False``):
+    inline_ops:      Inductor launches the fused ops' Triton kernels from its generated code (default ``True``):
                      each call in a compiled GPU graph is replaced, at compile time, by what its Python body does
                      for those shapes (its buffers and kernel launches), so a call no longer runs that body (70–250
                      µs of host time each on the H200's host). Same kernels, same arguments. It helps a host-bound
-                     step (Gemma-3-4B LoRA on the H200: 1.3x Inductor, steady), not a GPU-bound one, and costs
-                     compile time (+35-95%). It kept the first backward's gradients allocated for good (the 1B full
-                     fine-tune's +2.3 GiB is their size): fixed on 2026-12-06 (the cause is in
-                     ``fuser/engine/inline_ops.py``), not yet measured on the GPU since. So it is off by default. A
-                     call that might not compute the same inlined (it writes an input, its shapes are dynamic, it
-                     calls a matmul that the caller's autocast would change) stays a call;
-                     ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``).
+                     step (Gemma-3-4B LoRA: 0.98x Inductor with calls on the H200, 1.3x with it there, 1.34x in one
+                     run on an H100) and leaves a GPU-bound one as it was. Measured after the 2026-12-06 fix, a
+                     full fine-tune's memory is that of the calls (the first backward's gradients were kept
+                     before). It costs compile time (Gemma on the H200: 134-192 s against the calls' 99 s; on an
+                     H100 146 s against Inductor's own 154 s:
+                     ``benchmarks/results/inline_ops_default_h100_2026-12-06.md``). A call
+                     that might not compute the same inlined (it writes an input, its shapes are dynamic, it calls
+                     a matmul that the caller's autocast would change, its tensors are not on a GPU) stays a call;
+                     ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps
+                     every call, e.g. to compare or to debug a kernel from Python.
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
                      one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
                      Inductor's zero-filled fp32 buffer, scatter and cast.
@@ -121,7 +124,7 @@ class FuserConfig:
     ignore_logging: bool = True
     checkpoint_side_effects: bool = True
     direct_calls: bool = True
-    inline_ops: bool = False
+    inline_ops: bool = True
     embedding_grads: bool = True
     cuda_graphs: bool = False
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)

@@ -308,9 +308,9 @@ def test_a_kernel_launched_directly_in_a_trace_declines_instead_of_running():
     assert not launched
 
 
-def test_inline_ops_is_an_off_by_default_bool_option():
-    assert fuser.FuserConfig().inline_ops is False
-    assert fuser.FuserConfig.from_options({"inline_ops": True}).inline_ops is True
+def test_inline_ops_is_an_on_by_default_bool_option():
+    assert fuser.FuserConfig().inline_ops is True
+    assert fuser.FuserConfig.from_options({"inline_ops": False}).inline_ops is False
     with pytest.raises(TypeError, match="inline_ops must be True or False"):
         fuser.FuserConfig(inline_ops="yes")
 
