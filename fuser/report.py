@@ -119,8 +119,11 @@ class Report:
         if self.inlined or self.not_inlined:
             done = ", ".join(f"{k}={v}" for k, v in sorted(self.inlined.items())) or "none"
             lines.append(f"inlined calls (FuserConfig.inline_ops: Inductor launches their kernels): {done}")
+            by_reason: dict[str, list[str]] = {}
             for op, why in sorted(self.not_inlined.items()):
-                lines.append(f"  not inlined: {op}: {why}")
+                by_reason.setdefault(why, []).append(op)
+            for why, ops in by_reason.items():  # one line per reason: on CPU every op gives the same one
+                lines.append(f"  not inlined: {', '.join(ops)}: {why}")
         return "\n".join(lines)
 
 

@@ -381,3 +381,8 @@ def test_the_report_prints_what_was_inlined_and_why_not():
     text = str(report)
     assert "inlined calls (FuserConfig.inline_ops: Inductor launches their kernels): rms_norm=3" in text
     assert "  not inlined: linear_cross_entropy: its body calls aten.mm" in text
+    cpu = "its tensors are not all on a GPU"
+    grouped = str(Report(graphs=1, not_inlined={"rope": cpu, "rms_norm": cpu, "swiglu": "a shape is symbolic"}))
+    assert "  not inlined: rms_norm, rope: its tensors are not all on a GPU" in grouped  # one line per reason
+    assert "  not inlined: swiglu: a shape is symbolic" in grouped
+    assert grouped.count("not inlined:") == 2
