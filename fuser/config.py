@@ -68,9 +68,9 @@ class FuserConfig:
                      full fine-tune's memory is that of the calls (the first backward's gradients were kept
                      before). It costs compile time (Gemma on the H200: 134-192 s against the calls' 99 s; on an
                      H100 146 s against Inductor's own 154 s:
-                     ``benchmarks/results/inline_ops_default_h100_2026-12-06.md``). A call
-                     that might not compute the same inlined (it writes an input, its shapes are dynamic, it calls
-                     a matmul that the caller's autocast would change, its tensors are not on a GPU) stays a call;
+                     ``benchmarks/results/inline_ops_default_h100_2026-12-06.md``). A call that might not compute
+                     the same inlined (it writes an input, its shapes are dynamic, it calls a matmul that the
+                     caller's autocast would change, its tensors are not on a GPU) stays a call;
                      ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps
                      every call, e.g. to compare or to debug a kernel from Python.
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
