@@ -34,8 +34,7 @@ share with a Triton kernel that reads the running sum's tile before its matmul i
 ``benchmarks/results/profile_linear_cross_entropy_dweight_h200_2026-11-30.md``) it is slower than cuBLAS at every
 shape: 1.64 / 2.64 / 2.71 ms per chunk at best against ``addmm_``'s 1.24 / 1.79 / 1.90 (whole op 64.8 vs 54.0 ms
 at 8192×2304×256000), so it stays off; kept as a measured alternative. With ``streams=True`` (the default) the
-weight gradient's accumulation runs on a second CUDA stream, beside the ``dhidden`` matmul, where that matmul alone
-would leave SMs idle (:func:`side_stream_pays`); ``streams=False`` never uses one.
+weight gradient's accumulation runs on a second CUDA stream, beside the ``dhidden`` matmul.
 
 These three are arguments of the op (and keywords of :func:`linear_cross_entropy`); the ``linear_cross_entropy``
 pattern passes ``FuserConfig.linear_cross_entropy``'s values.
@@ -66,7 +65,6 @@ from fuser.kernels._triton import (
     compute_dtype,
     launchable,
     next_power_of_2,
-    num_programs_for,
     tl,
     triton,
     triton_runs,
@@ -463,34 +461,9 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
-# When the weight gradient's matmul runs beside the dhidden matmul. Both are compute-bound; running them together
-# pays only where dhidden alone leaves SMs idle: its [chunk rows, H] output is cut into 128×256 tiles (cuBLAS's sm90
-# kernels at these shapes, in the profiles of benchmarks/results/) run in waves of one tile per SM, and where the last
-# wave is mostly empty the other matmul fills it. Measured fwd+bwd (lce_side_stream_h100_2026-12-06.md; H100, 132
-# SMs), side stream against one stream, with the waves' fill: 8192×2304×256000 in chunks of 2048 rows (fill 0.55)
-# 45.3 against 49.6 ms; 16384×4096×151936, 3280 rows (0.79) 93.1 against 94.6; 8192×4096×128256, 2048 rows (0.97)
-# 43.2 against 39.0; the Llama-3.2-1B full step, 2048 × 2048 (0.97) 66,270 against 66,203 tok/s. The H200's 11-30
-# runs (smaller chunks, fills 0.27 / 0.85 / 0.73) saved 0.2–0.9 ms with it
-DHIDDEN_TILE = (128, 256)
-SIDE_STREAM_BELOW_FILL = 0.9
-
-
-def dhidden_wave_fill(rows: int, hidden: int, n_sms: int) -> float:
-    """How full the dhidden matmul's waves are: its ``[rows, hidden]`` output's tiles over the tile slots of the
-    waves they take, ``n_sms`` slots a wave (1.0: every wave full)."""
-    tiles = cdiv(rows, DHIDDEN_TILE[0]) * cdiv(hidden, DHIDDEN_TILE[1])
-    return tiles / (cdiv(tiles, n_sms) * n_sms) if tiles else 1.0
-
-
-def side_stream_pays(rows: int, hidden: int, n_sms: int) -> bool:
-    """Whether a chunk of ``rows`` rows should accumulate the weight gradient on a side stream: where the dhidden
-    matmul's waves are less than ``SIDE_STREAM_BELOW_FILL`` full (see above)."""
-    return dhidden_wave_fill(rows, hidden, n_sms) < SIDE_STREAM_BELOW_FILL
-
 
 def _side_stream(device: torch.device, enabled: bool = True) -> torch.cuda.Stream | None:
-    """A second CUDA stream for the weight-gradient matmul (``enabled=False``: none; the op's ``streams=False``, or
-    :func:`side_stream_pays` says no)."""
+    """A second CUDA stream for the weight-gradient matmul (``enabled=False``, the op's ``streams=False``: none)."""
     if device.type != "cuda" or not enabled:
         return None
     if device not in _SIDE_STREAMS:
@@ -556,9 +529,7 @@ def _forward_chunked(
     # dhidden and dweight both only read a chunk's gradient: with a side stream the weight gradient's memory-bound
     # accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk waits for both
     # before it overwrites the buffer
-    side = None
-    if wanted.weight and wanted.hidden and dw_options.streams and h2.is_cuda:
-        side = _side_stream(h2.device, side_stream_pays(rows, h2.shape[1], num_programs_for(h2, 1)))
+    side = _side_stream(h2.device, dw_options.streams) if wanted.weight and wanted.hidden else None
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         h_c, logits = h2[start:end], buffer[: end - start]
@@ -707,7 +678,7 @@ def linear_cross_entropy(
     ``sum / num_items_in_batch`` and overrides ``reduction``. The loss is fp32; gradients reach hidden, weight
     and bias through autograd (the weight's is skipped when it does not require grad). ``dw_kernel``,
     ``dw_accumulator`` and ``streams`` choose how the weight gradient is accumulated (see the module docstring;
-    the defaults are the measured best: ``streams=True`` uses a second stream only at the shapes where it pays).
+    the defaults are the measured best on the H200).
     """
     if num_items_in_batch is not None:
         reduction = "sum"

@@ -80,9 +80,8 @@ class LinearCrossEntropyConfig:
                      alternative).
     dw_accumulator:  the running sum's dtype: ``"input"`` (the weight's, default: no extra memory) or ``"fp32"``
                      (one extra ``[vocab, hidden]`` fp32 buffer, one rounding at the end).
-    streams:         accumulate the weight gradient on a second CUDA stream, beside the ``dhidden`` matmul, where
-                     that matmul alone would leave SMs idle (default ``True``; the kernel's ``side_stream_pays``
-                     decides per shape, as measured); ``False``: never.
+    streams:         accumulate the weight gradient on a second CUDA stream, beside the ``dhidden`` matmul
+                     (default ``True``).
     """
 
     dw_kernel: DwKernel = "cublas"
