@@ -230,6 +230,19 @@ def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib
     setattr(compiled, attribute, call)
 
 
+def dynamo_recompiling() -> bool:
+    """Whether the graph Dynamo is compiling now is a recompile: a frame it compiled before, again for new shapes
+    or guards that failed (its compile id's ``frame_compile_id`` above 0), rather than a new frame such as the code
+    after a graph break. False where torch does not say."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - an older or newer torch without it: count the graph as a first compile
+        return False
+    return bool(getattr(compile_id, "frame_compile_id", 0))
+
+
 def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]] | None:
     """Why Dynamo ended the graph ``gm`` at a graph break, and where (file, line, code of the user frame it
     stopped in), from the reason Dynamo attaches to the graph module; ``None`` when the graph ended at a return

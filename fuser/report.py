@@ -47,8 +47,12 @@ def graph_break(gm: torch.fx.GraphModule) -> GraphBreak | None:
 class Report:
     """What fuser would fuse in a model.
 
-    counts:        pattern name → number of fused ops that would be emitted, summed over all captured graphs.
-    graph_breaks:  number of graph breaks Dynamo took (captured graphs − 1).
+    counts:        pattern name → number of fused ops that would be emitted, summed over all captured graphs
+                   (recompiled ones too).
+    graph_breaks:  number of graph breaks Dynamo took (captured graphs − recompiles − 1).
+    recompiles:    ``fuser.report``: graphs Dynamo compiled again for code it had compiled, for new shapes (a
+                   Trainer's batches of another length; from the second length on, a graph with dynamic shapes)
+                   or guards that failed. Not graph breaks: each repeats an earlier graph's matches.
     matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
     near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its
                    module path, source line and the reason in words (``.module``, ``.where``, ``.reason``).
@@ -68,6 +72,7 @@ class Report:
     counts: dict[str, int] = field(default_factory=dict)
     graph_breaks: int = 0
     graphs: int = 0
+    recompiles: int = 0
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
@@ -90,6 +95,11 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"fuser: {self.graphs} graph(s), {self.graph_breaks} graph break(s)"]
+        if self.recompiles:
+            lines[0] += (
+                f", {self.recompiles} recompile(s) (code compiled again for new shapes or guards; its fused ops are "
+                "counted again)"
+            )
         width = max([len(m.module) for m in self.matches] + [6])
         names = max([len(m.pattern) for m in self.matches] + [16])
         lines.append(f"{'pattern':<{names}} {'variant':<12} {'module':<{width}}  source")

@@ -263,3 +263,31 @@ def test_a_model_dynamo_ran_uncompiled_reports_no_graph_and_says_why():
     )
     text = str(uncompiled)
     assert NO_GRAPH_HINT in text and "recompile_limit" in text and "torch._dynamo.reset()" in text
+
+
+def test_report_tells_a_recompile_from_a_graph_break():
+    """A batch of another length makes Dynamo compile the model again (with dynamic shapes, as in a Trainer whose
+    batches vary in length): that is a recompile, not a graph break, and the report says so; a real graph break
+    inside the same code is still counted once, recompiled or not."""
+    torch._dynamo.reset()
+    model = build("llama")
+    compiled = fuser.optimize(model, AOT)
+    for seq in (16, 24, 32):
+        compiled(**batch(seq=seq))
+    report = fuser.report(compiled)
+    assert (report.graphs, report.recompiles, report.graph_breaks) == (2, 1, 0), str(report)
+    assert str(report).startswith("fuser: 2 graph(s), 0 graph break(s), 1 recompile(s)"), str(report)
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            torch._dynamo.graph_break()
+            return y + 1
+
+    torch._dynamo.reset()
+    split = fuser.optimize(Split(), {"inner_compiler": "aot_eager", "strict": True})  # a backend of its own
+    for n in (3, 5, 7):
+        split(torch.randn(n))
+    report = fuser.report(split)
+    assert (report.graphs, report.recompiles, report.graph_breaks) == (4, 2, 1), str(report)
+    assert len(report.breaks) == 1, str(report)  # the recompiled frame's break is not listed twice
