@@ -132,9 +132,6 @@ class FuserBackend:
         self.inliner = inline_ops.Inliner()  # which fused-op calls Inductor launches itself (config.inline_ops)
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
         self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
-        # the results of graphs Dynamo compiled again for a frame it had compiled (new shapes: a Trainer's varying
-        # lengths; failed guards), told apart from graph breaks in the report
-        self._recompiled: list[RewriteResult] = []
         self._warned: set[str] = set()  # the once-per-backend warnings already given (_warn_once's keys)
 
     @property
@@ -212,9 +209,8 @@ class FuserBackend:
                 _empty_for_dropped_outputs(gm, new_gm)
         recompiling = _compat.dynamo_recompiling()
         if result is not None:
+            result.recompile = recompiling
             self.results.append(result)
-            if recompiling:
-                self._recompiled.append(result)
         compiled = self._compile(gm, new_gm, example_inputs, result)
         # after the compile: a restarted analysis brings gm again; a recompile's break is one already listed
         if not recompiling and (one := graph_break(gm)) is not None:
@@ -274,12 +270,7 @@ class FuserBackend:
 
     def report(self) -> Report:
         """What this backend fused so far: counts, graphs, matches and near-misses of every graph it compiled."""
-        recompiles = sum(1 for result in self.results if any(result is r for r in self._recompiled))
-        out = Report(
-            graphs=len(self.results),
-            graph_breaks=max(len(self.results) - recompiles - 1, 0),
-            recompiles=recompiles,
-        )
+        out = Report(graphs=len(self.results), recompiles=sum(result.recompile for result in self.results))
         for result in self.results:
             out.matches += result.matches
             out.near_misses += result.near_misses
@@ -406,6 +397,5 @@ def report(model: torch.nn.Module | None = None) -> Report:
         total.compile_seconds += part.compile_seconds
         total.breaks += part.breaks
         total.recompiles += part.recompiles
-    total.graph_breaks = max(total.graphs - total.recompiles - 1, 0)
     total.counts = count_by_pattern(total.matches)
     return total

@@ -70,7 +70,6 @@ class Report:
     """
 
     counts: dict[str, int] = field(default_factory=dict)
-    graph_breaks: int = 0
     graphs: int = 0
     recompiles: int = 0
     matches: list[Match] = field(default_factory=list)
@@ -81,6 +80,11 @@ class Report:
     runs: list[int] = field(default_factory=list)
     inlined: dict[str, int] = field(default_factory=dict)
     not_inlined: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def graph_breaks(self) -> int:
+        """Graph breaks Dynamo took: the captured graphs less the recompiled ones, less the first."""
+        return max(self.graphs - self.recompiles - 1, 0)
 
     @property
     def executed(self) -> dict[str, int]:
@@ -178,7 +182,6 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
             report.break_messages.append(first)
     report.counts = count_by_pattern(report.matches)
     report.runs = [graph_runs[i] for i in graph_of_match]
-    report.graph_breaks = max(report.graphs - 1, 0)
     return report
 
 

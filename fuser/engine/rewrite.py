@@ -92,6 +92,9 @@ class RewriteResult:
     near_misses: list[NearMiss] = field(default_factory=list)
     # pattern name → fused ops that its ``after_apply`` refined (counted in ``counts`` as the pattern's own)
     refined: dict[str, int] = field(default_factory=dict)
+    # the graph is Dynamo's recompile of code it compiled before (new shapes, failed guards), not a graph break's
+    # continuation: set by the backend, told apart in ``fuser.report``
+    recompile: bool = False
 
     @property
     def counts(self) -> dict[str, int]:
