@@ -352,10 +352,32 @@ def _trainable_projections(y: torch.fx.Node, config: FuserConfig) -> list[torch.
 _LORA_A_OPS = (torch.ops.fuser.upcast_linear.default, torch.ops.fuser.upcast_linear_normed.default)
 
 
+def _cast_for(graph: torch.fx.Graph, value: object, dtype: torch.dtype, before: torch.fx.Node) -> object:
+    """``value`` as ``dtype``: itself where it already is (or is not a tensor), else a ``value.to(dtype)`` inserted
+    before ``before``."""
+    t = tensor_meta(value)
+    if t is None or t.dtype == dtype:
+        return value
+    with graph.inserting_before(before):
+        cast = graph.call_method("to", (value, dtype))
+    copy_source_meta(before, cast)
+    cast.meta["example_value"] = t.to(dtype)
+    return cast
+
+
 def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     """``linear(y, W, b)`` with ``y`` an RMSNorm's output that only projections read and ``W`` trainable →
     ``linear_normed(y, h, rstd, norm weight, offset, W, b, dtype)`` (``fuser/kernels/linear_normed.py``), whose
-    backward rebuilds ``y`` from the norm's input and rstd instead of saving it. Returns how many."""
+    backward rebuilds ``y`` from the norm's input and rstd instead of saving it. Returns how many.
+
+    Under autocast (fp32 ``y`` and weights, a bf16 matmul) the casts to the matmul's dtype are the graph's, one
+    ``.to`` per projection as autocast's own, not the op body's: Inductor then casts the norm's output once for all
+    its projections (their forward casts are one expression) and each weight once, for the forward and the saved
+    copy the backward reads, where the op's body cast ``y`` once per projection and each weight a second time, in
+    eager kernels (the Llama-3.2-1B autocast step: 160 such casts, 4.1 ms on an H100,
+    ``benchmarks/results/profile_llama32-1b-full-amp_fuser_h100_2026-12-06.md``). The gradients are the same
+    values: the op's bf16 dx and dW, cast to fp32 by each ``.to``'s backward, each projection's dx its own term
+    of the fp32 sum, as eager autocast sums them."""
     n = 0
     for node in list(graph.nodes):
         found = norm_of(node) if node.op == "call_function" else None
@@ -370,7 +392,9 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
         for linear in projections:
             c = canonical(linear)
             bias = c.args[2] if len(c.args) > 2 else None
-            args = (node, h, rstd, weight, offset, c.args[1], bias, tensor_meta(linear).dtype)
+            dtype = tensor_meta(linear).dtype
+            y, w, b = (_cast_for(graph, v, dtype, linear) for v in (node, c.args[1], bias))
+            args = (y, h, rstd, weight, offset, w, b, dtype)
             with graph.inserting_before(linear):
                 fused = graph.call_function(torch.ops.fuser.linear_normed.default, args)
             fused.meta.update(linear.meta)

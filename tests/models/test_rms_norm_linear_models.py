@@ -131,6 +131,29 @@ def test_full_fine_tuning_fp32_step_equals_eager():
     assert_training_step_equals_eager(model, fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON))
 
 
+def test_autocast_projections_take_their_inputs_cast_by_the_graph(monkeypatch):
+    """fp32 weights under bf16 autocast: each ``linear_normed`` receives the normalised value and its weight already
+    in bf16, cast by the graph (Inductor then casts the norm's output once for its projections, and each weight
+    once for the forward and the backward's saved copy), so the op's body casts nothing; the step itself is the
+    step without rms_norm_linear bit for bit (``test_full_fine_tuning_step_equals_the_step_without_it``)."""
+    from fuser.dynamo_backend import FuserBackend
+    from fuser.engine.canonical import tensor_meta
+
+    graphs = []
+    real = FuserBackend.compile_inner
+    monkeypatch.setattr(FuserBackend, "compile_inner", lambda self, gm, ex: graphs.append(gm) or real(self, gm, ex))
+    model = build("llama", torch.float32).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fuser.optimize(model, fuser.FuserConfig(strict=True, inner_compiler="aot_eager"))(**batch())
+    out.loss.backward()
+    ops = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.fuser.linear_normed.default]
+    assert len(ops) == 5 * N_LAYERS  # q, k, v; gate, up
+    for op in ops:
+        y, weight, dtype = op.args[0], op.args[5], op.args[7]
+        assert dtype == torch.bfloat16 and tensor_meta(y).dtype == tensor_meta(weight).dtype == dtype, op.format_node()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "family, checkpointing",
     [("llama", False), ("gemma", False), ("phi3", False), ("llama", True)],
