@@ -18,6 +18,14 @@ gradient's dtype (bf16 under full fine-tuning) before the norm's backward uses i
 
 Declines are logged at debug level. On by default (``RmsNormConfig.gradient_sums``; what the H200 measured is
 there).
+
+A second pass, ``norm_grad_upcasts`` (the same switch), runs after it: where every term the norm's backward reads is
+an exact upcast to fp32 of a half-precision tensor (``convert_element_type(t, fp32)``, t bf16 or fp16, all of one
+dtype, each read by this call only), the call reads the half-precision terms and the upcasts go. Under autocast with
+fp32 weights (a trainer's ``bf16=True`` on an fp32 model) the projections' input gradients are bf16 matmul outputs
+that autocast's casts widen to the fp32 stream's dtype; the kernel widens each value as it loads it, so the fp32
+copies (written, then read back: per term two thirds more bytes than the term itself) bought nothing. Same values,
+the same sum.
 """
 
 from __future__ import annotations
@@ -115,8 +123,79 @@ def apply_norm_grad_sums(graph: torch.fx.Graph, plan: list) -> int:
     return len(plan)
 
 
+_TERM_KEYS = ("dy2", "dy3", "dy4")
+_CONVERT = torch.ops.prims.convert_element_type.default
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _widened(term: object, call: torch.fx.Node) -> torch.fx.Node | None:
+    """The half-precision tensor ``term`` widens exactly to fp32 (``convert_element_type(t, fp32)``) where ``call``
+    is its only reader; else None."""
+    if not (isinstance(term, torch.fx.Node) and term.op == "call_function" and term.target is _CONVERT):
+        return None
+    source = term.args[0]
+    before, after = tensor_meta(source), tensor_meta(term)
+    if before is None or after is None or before.dtype not in _HALF or after.dtype != torch.float32:
+        return None
+    return source if set(term.users) == {call} else None
+
+
+def _term_positions(node: torch.fx.Node) -> dict[str, int | str]:
+    """Where ``node`` (a norm backward) holds each output-gradient term it is given: an index into its args, or
+    the name of its keyword (post-grad graphs pass ``dy2``-``dy4`` by keyword, other traces by position)."""
+    names = [a.name for a in node.target._schema.arguments]
+    where: dict[str, int | str] = {}
+    for key in ("dy", *_TERM_KEYS):
+        i = names.index(key)
+        if i < len(node.args):
+            if node.args[i] is not None:
+                where[key] = i
+        elif node.kwargs.get(key) is not None:
+            where[key] = key
+    return where
+
+
+def _get(node: torch.fx.Node, at: int | str) -> object:
+    return node.args[at] if isinstance(at, int) else node.kwargs[at]
+
+
+def plan_norm_grad_upcasts(graph: torch.fx.Graph) -> list:
+    """Each norm backward of ``graph`` whose every output-gradient term (``dy`` and ``dy2``-``dy4``) is an exact
+    upcast of a half-precision tensor, all of one dtype, that only it reads: (call, {position: its source})."""
+    plan = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _BACKWARDS:
+            continue
+        terms = {at: _get(node, at) for at in _term_positions(node).values()}
+        if len(set(terms.values())) != len(terms):
+            continue  # one tensor read twice: its upcast has one reader, but two uses
+        sources = {at: _widened(t, node) for at, t in terms.items()}
+        if any(v is None for v in sources.values()) or len({tensor_meta(v).dtype for v in sources.values()}) != 1:
+            continue
+        plan.append((node, sources))
+    return plan
+
+
+def apply_norm_grad_upcasts(graph: torch.fx.Graph, plan: list) -> int:
+    for node, sources in plan:
+        upcasts = [_get(node, at) for at in sources]
+        args, kwargs = list(node.args), dict(node.kwargs)
+        for at, source in sources.items():
+            if isinstance(at, int):
+                args[at] = source
+            else:
+                kwargs[at] = source
+        node.args, node.kwargs = tuple(args), kwargs
+        for upcast in upcasts:
+            graph.erase_node(upcast)
+    if plan:
+        log.info("fuser: %d norm backward(s) read their half-precision gradient terms without upcasts", len(plan))
+    return len(plan)
+
+
 def gradient_sums(config: FuserConfig) -> bool:
     return config.rms_norm.gradient_sums
 
 
 PASS = PostGradPass("norm_grad_sums", plan_norm_grad_sums, apply_norm_grad_sums, gradient_sums)
+UPCASTS_PASS = PostGradPass("norm_grad_upcasts", plan_norm_grad_upcasts, apply_norm_grad_upcasts, gradient_sums)

@@ -49,6 +49,7 @@ from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild s
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.norm_grad_sums import PASS as GRAD_SUMS_PASS
+from fuser.patterns.norm_grad_sums import UPCASTS_PASS as GRAD_UPCASTS_PASS
 from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class RmsNormConfig:
                    the add kernels before them from 2.27 to 1.61 ms a Llama-3.2-1B full fine-tuning step (one
                    profiled run each); the whole step's time moved by −0.4 and +0.7 ms in two runs, within the
                    ±1 ms the matmuls vary between processes (``benchmarks/results/norm_grad_sums_h200_2026-12-03.md``).
+                   With it, a norm backward whose terms are all half-precision values widened to fp32 (autocast's
+                   casts, under fp32 weights) reads them unwidened and widens them as it loads them (the post-grad
+                   pass ``norm_grad_upcasts``): the same sum, without writing and reading an fp32 copy of each term.
     """
 
     residual_add: bool = True
@@ -536,7 +540,7 @@ RMS_NORM = Pattern(
     check_rms_norm,
     anchors=frozenset({"rsqrt", "rms_norm"}),
     after_apply=add_residuals_into_norms,
-    post_grad=(GRAD_SUMS_PASS,),
+    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS),
 )
 
 # on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
@@ -546,5 +550,5 @@ RMS_NORM_LINEAR = Pattern(
     VARIANTS,
     check_rms_norm_linear,
     after_apply=rebuild_and_add_residuals,
-    post_grad=(GRAD_SUMS_PASS,),
+    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS),
 )

@@ -105,6 +105,30 @@ def test_checkpointed_layers_take_their_sums():
     assert_same_step(on, off)
 
 
+def autocast_step(model, config):
+    """``step`` under bf16 autocast; also how many norm backwards read their terms without upcasts."""
+    backend = fuser.backend(config)
+    before = backend.post_grad_counts.get("norm_grad_upcasts", 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fuser.optimize(model, config)(**batch())
+    out.loss.backward()
+    taken = backend.post_grad_counts.get("norm_grad_upcasts", 0) - before
+    torch._dynamo.reset()
+    return (out.loss.detach(), grads(model)), taken
+
+
+def test_autocast_norm_backwards_read_the_bf16_terms_and_the_step_is_unchanged():
+    """fp32 weights under bf16 autocast (a trainer's ``bf16=True`` on an fp32 model): every norm's output gradient
+    terms are bf16 projection gradients (q/k/v, gate/up; the lm_head's for the final norm) widened to fp32 by
+    autocast's casts. Each norm backward reads them as bf16 and widens them as it loads them: the same values, the
+    same sum, so the step is the step with both passes off, bit for bit."""
+    model = build("llama").train()
+    on, taken = autocast_step(copy.deepcopy(model), ON)
+    off, taken_off = autocast_step(copy.deepcopy(model), OFF)
+    assert taken == 2 * N_LAYERS + 1 and taken_off == 0  # every layer's two norms and the final norm
+    assert_same_step(on, off)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Which sums the pass takes: toy post-grad graphs
 # ---------------------------------------------------------------------------------------------------------
@@ -175,6 +199,56 @@ def test_a_sum_it_cannot_take_stays(case):
     # another reader needs the sum; an op in place between the sum and the norm would change a term the norm reads
     # later; a broadcast term is not dy's shape
     assert _norm_terms(_graph(case)) == [1]
+
+
+def _upcast_graph(case: str) -> torch.fx.Graph:
+    """A post-grad-like graph: a norm backward reading terms that ``case`` spells as upcasts or not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a, b, x, w, rstd):
+        up = torch.ops.prims.convert_element_type.default
+        a32, b32 = up(a, torch.float32), up(b, torch.float32)
+        if case == "one not upcast":
+            b32 = b.float() * 2
+        if case == "another reader":
+            dx, dw = torch.ops.fuser.rms_norm_backward(a32, x, w, rstd, 1e-6, 0.0, None, True, dy2=b32)
+            return dx, dw, a32
+        if case == "one upcast twice":
+            return torch.ops.fuser.rms_norm_backward(a32, x, w, rstd, 1e-6, 0.0, None, True, dy2=a32)
+        if case == "fp16 and bf16":
+            b32 = up(b.to(torch.float16), torch.float32)
+        return torch.ops.fuser.rms_norm_backward(a32, x, w, rstd, 1e-6, 0.0, None, True, dy2=b32)
+
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(torch.randn(4, 8, dtype=torch.bfloat16)) for _ in range(2)]
+        args += [mode.from_tensor(torch.randn(*shape)) for shape in ((4, 8), (8,), (4,))]
+        return make_fx(f, tracing_mode="fake")(*args).graph
+
+
+def _upcasts_taken(graph: torch.fx.Graph) -> int:
+    from fuser.patterns.norm_grad_sums import apply_norm_grad_upcasts, plan_norm_grad_upcasts
+
+    taken = apply_norm_grad_upcasts(graph, plan_norm_grad_upcasts(graph))
+    graph.lint()
+    return taken
+
+
+def test_a_norm_backward_reads_its_upcast_terms_as_they_were():
+    graph = _upcast_graph("both upcast")
+    assert _upcasts_taken(graph) == 1
+    (norm,) = [n for n in graph.nodes if n.target is torch.ops.fuser.rms_norm_backward.default]
+    from fuser.engine.protocol import call_args
+
+    terms = call_args(norm)
+    assert terms["dy"].op == terms["dy2"].op == "placeholder", norm.format_node()
+    assert not any(n.target is torch.ops.prims.convert_element_type.default for n in graph.nodes)
+
+
+@pytest.mark.parametrize("case", ["one not upcast", "another reader", "one upcast twice", "fp16 and bf16"])
+def test_upcasts_stay_where_a_term_is_not_one_or_the_dtypes_differ(case):
+    # every term or none (the op takes terms of one dtype); an upcast another node reads stays for it
+    assert _upcasts_taken(_upcast_graph(case)) == 0
 
 
 @pytest.mark.gpu
