@@ -93,8 +93,15 @@ STORED_SUMS = {"residual_add": False}  # a plain residual add stays Inductor's k
         ("gemma", torch.bfloat16, False),
         ("phi3", torch.bfloat16, False),
         ("llama", torch.float32, True),
+        ("phi3", torch.float32, True),
     ],
-    ids=["llama bf16", "gemma bf16", "phi3 bf16", "llama fp32 weights, bf16 autocast"],
+    ids=[
+        "llama bf16",
+        "gemma bf16",
+        "phi3 bf16",
+        "llama fp32 weights, bf16 autocast",
+        "phi3 fp32 weights, bf16 autocast",
+    ],
 )
 def test_full_fine_tuning_step_equals_the_step_without_it(family, dtype, autocast, checkpointing):
     """Full fine-tuning, every pattern, against the same without rms_norm_linear: the loss and every gradient bit
