@@ -128,7 +128,7 @@ _CONVERT = torch.ops.prims.convert_element_type.default
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _widened(term: object, call: torch.fx.Node) -> torch.fx.Node | None:
+def widened_source(term: object, call: torch.fx.Node) -> torch.fx.Node | None:
     """The half-precision tensor ``term`` widens exactly to fp32 (``convert_element_type(t, fp32)``) where ``call``
     is its only reader; else None."""
     if not (isinstance(term, torch.fx.Node) and term.op == "call_function" and term.target is _CONVERT):
@@ -169,7 +169,7 @@ def plan_norm_grad_upcasts(graph: torch.fx.Graph) -> list:
         terms = {at: _get(node, at) for at in _term_positions(node).values()}
         if len(set(terms.values())) != len(terms):
             continue  # one tensor read twice: its upcast has one reader, but two uses
-        sources = {at: _widened(t, node) for at, t in terms.items()}
+        sources = {at: widened_source(t, node) for at, t in terms.items()}
         if any(v is None for v in sources.values()) or len({tensor_meta(v).dtype for v in sources.values()}) != 1:
             continue
         plan.append((node, sources))

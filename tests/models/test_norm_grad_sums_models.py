@@ -105,14 +105,17 @@ def test_checkpointed_layers_take_their_sums():
     assert_same_step(on, off)
 
 
+CAST_PASSES = ("norm_grad_upcasts", "rope_output_casts", "rope_grad_upcasts")
+
+
 def autocast_step(model, config):
-    """``step`` under bf16 autocast; also how many norm backwards read their terms without upcasts."""
+    """``step`` under bf16 autocast; also how many calls each cast pass rewrote ({pass: calls})."""
     backend = fuser.backend(config)
-    before = backend.post_grad_counts.get("norm_grad_upcasts", 0)
+    before = {name: backend.post_grad_counts.get(name, 0) for name in CAST_PASSES}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fuser.optimize(model, config)(**batch())
     out.loss.backward()
-    taken = backend.post_grad_counts.get("norm_grad_upcasts", 0) - before
+    taken = {name: backend.post_grad_counts.get(name, 0) - before[name] for name in CAST_PASSES}
     torch._dynamo.reset()
     return (out.loss.detach(), grads(model)), taken
 
@@ -123,9 +126,12 @@ def test_autocast_norm_backwards_read_the_bf16_terms_and_the_step_is_unchanged()
     autocast's casts. Each norm backward reads them as bf16 and widens them as it loads them: the same values, the
     same sum, so the step is the step with both passes off, bit for bit."""
     model = build("llama").train()
+    model.config.use_cache = False  # a cache would read the rotated k in fp32: its cast then stays (and q's with it)
     on, taken = autocast_step(copy.deepcopy(model), ON)
     off, taken_off = autocast_step(copy.deepcopy(model), OFF)
-    assert taken == 2 * N_LAYERS + 1 and taken_off == 0  # every layer's two norms and the final norm
+    # every layer's two norms and the final norm; each layer's rotation, forward and backward (on either way)
+    rope = {"rope_output_casts": N_LAYERS, "rope_grad_upcasts": N_LAYERS}
+    assert taken == {"norm_grad_upcasts": 2 * N_LAYERS + 1, **rope} and taken_off == {"norm_grad_upcasts": 0, **rope}
     assert_same_step(on, off)
 
 
@@ -292,7 +298,8 @@ def test_gpu_llama_1024_autocast_step_reads_bf16_terms_and_is_as_close_to_fp32_a
     from tests.models.tiny import from_config
 
     extra = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4}
-    base = from_config("LlamaConfig", {"attn_implementation": "sdpa", **extra, "head_dim": 128}).cuda()
+    fields = {"attn_implementation": "sdpa", "use_cache": False, **extra, "head_dim": 128}
+    base = from_config("LlamaConfig", fields).cuda()
     data = {k: v.cuda() for k, v in batch(seq=256, bsz=4).items()}
 
     def run(model, config=None, amp=True):
