@@ -40,6 +40,7 @@ import fuser.kernels.rms_norm  # noqa: F401  (registers the fuser:: norm ops)
 from fuser._compat import statically_same_shape
 from fuser.engine.canonical import tensor_meta
 from fuser.patterns.base import PostGradPass
+from fuser.patterns.op_casts import widened_source
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -124,20 +125,6 @@ def apply_norm_grad_sums(graph: torch.fx.Graph, plan: list) -> int:
 
 
 _TERM_KEYS = ("dy2", "dy3", "dy4")
-_CONVERT = torch.ops.prims.convert_element_type.default
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def widened_source(term: object, call: torch.fx.Node) -> torch.fx.Node | None:
-    """The half-precision tensor ``term`` widens exactly to fp32 (``convert_element_type(t, fp32)``) where ``call``
-    is its only reader; else None."""
-    if not (isinstance(term, torch.fx.Node) and term.op == "call_function" and term.target is _CONVERT):
-        return None
-    source = term.args[0]
-    before, after = tensor_meta(source), tensor_meta(term)
-    if before is None or after is None or before.dtype not in _HALF or after.dtype != torch.float32:
-        return None
-    return source if set(term.users) == {call} else None
 
 
 def _term_positions(node: torch.fx.Node) -> dict[str, int | str]:

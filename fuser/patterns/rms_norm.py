@@ -50,6 +50,7 @@ from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.patterns.norm_grad_sums import PASS as GRAD_SUMS_PASS
 from fuser.patterns.norm_grad_sums import UPCASTS_PASS as GRAD_UPCASTS_PASS
+from fuser.patterns.op_casts import OUTPUT_CASTS_PASS
 from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
@@ -540,7 +541,7 @@ RMS_NORM = Pattern(
     check_rms_norm,
     anchors=frozenset({"rsqrt", "rms_norm"}),
     after_apply=add_residuals_into_norms,
-    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS),
+    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
 )
 
 # on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
@@ -550,5 +551,5 @@ RMS_NORM_LINEAR = Pattern(
     VARIANTS,
     check_rms_norm_linear,
     after_apply=rebuild_and_add_residuals,
-    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS),
+    post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
 )

@@ -42,7 +42,7 @@ import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, Decline, EmptyLike, Pattern, Replacement, Variant
-from fuser.patterns.rope_casts import GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS
+from fuser.patterns.op_casts import OUTPUT_CASTS_PASS, ROPE_GRAD_UPCASTS_PASS
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -346,5 +346,5 @@ ROPE = Pattern(
     check_rope,
     anchors=frozenset(),
     combine=combine_q_and_k,
-    post_grad=(OUTPUT_CASTS_PASS, GRAD_UPCASTS_PASS),
+    post_grad=(OUTPUT_CASTS_PASS, ROPE_GRAD_UPCASTS_PASS),
 )

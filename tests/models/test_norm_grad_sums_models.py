@@ -105,7 +105,7 @@ def test_checkpointed_layers_take_their_sums():
     assert_same_step(on, off)
 
 
-CAST_PASSES = ("norm_grad_upcasts", "rope_output_casts", "rope_grad_upcasts")
+CAST_PASSES = ("norm_grad_upcasts", "output_casts", "rope_grad_upcasts")
 
 
 def autocast_step(model, config):
@@ -129,9 +129,11 @@ def test_autocast_norm_backwards_read_the_bf16_terms_and_the_step_is_unchanged()
     model.config.use_cache = False  # a cache would read the rotated k in fp32: its cast then stays (and q's with it)
     on, taken = autocast_step(copy.deepcopy(model), ON)
     off, taken_off = autocast_step(copy.deepcopy(model), OFF)
-    # every layer's two norms and the final norm; each layer's rotation, forward and backward (on either way)
-    rope = {"rope_output_casts": N_LAYERS, "rope_grad_upcasts": N_LAYERS}
-    assert taken == {"norm_grad_upcasts": 2 * N_LAYERS + 1, **rope} and taken_off == {"norm_grad_upcasts": 0, **rope}
+    # every layer's two norms and the final norm; the casts of those norms' outputs and of each layer's rotation,
+    # and the rotations' gradients (on either way)
+    others = {"output_casts": 2 * N_LAYERS + 1 + N_LAYERS, "rope_grad_upcasts": N_LAYERS}
+    assert taken == {"norm_grad_upcasts": 2 * N_LAYERS + 1, **others}
+    assert taken_off == {"norm_grad_upcasts": 0, **others}
     assert_same_step(on, off)
 
 

@@ -1,17 +1,18 @@
-"""Tier 1: the rotary embedding's post-grad cast passes (:mod:`fuser.patterns.rope_casts`) on toy post-grad graphs,
-traced with fake tensors and run on real ones: the rewritten graph computes the original's values bit for bit."""
+"""Tier 1: the post-grad cast passes of :mod:`fuser.patterns.op_casts` on toy post-grad graphs, traced with fake
+tensors and run on real ones: the rewritten graph computes the original's values bit for bit."""
 
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rope_backward)
-from fuser.patterns.rope_casts import (
+from fuser.patterns.op_casts import (
+    apply_output_casts,
     apply_rope_grad_upcasts,
-    apply_rope_output_casts,
+    plan_output_casts,
     plan_rope_grad_upcasts,
-    plan_rope_output_casts,
 )
 
 UP = torch.ops.prims.convert_element_type.default
@@ -72,7 +73,7 @@ def same(before, after, seed=1) -> None:
 
 
 def test_rope_writes_its_half_precision_results_itself():
-    taken, before, after = rewrite(forward("both cast"), plan_rope_output_casts, apply_rope_output_casts)
+    taken, before, after = rewrite(forward("both cast"), plan_output_casts, apply_output_casts)
     assert taken == 1 and converts(before) == 2 and converts(after) == 0
     (call,) = [n for n in after.graph.nodes if n.target is torch.ops.fuser.rope.default]
     assert call.args[6] is torch.bfloat16 and all(u.meta["val"].dtype == torch.bfloat16 for u in call.users)
@@ -81,7 +82,7 @@ def test_rope_writes_its_half_precision_results_itself():
 
 def test_rope_results_read_in_fp32_or_cast_to_two_dtypes_stay():
     for case in ("fp32 reader", "two dtypes"):
-        taken, before, after = rewrite(forward(case), plan_rope_output_casts, apply_rope_output_casts)
+        taken, before, after = rewrite(forward(case), plan_output_casts, apply_output_casts)
         assert taken == 0 and converts(after) == converts(before), case
 
 
@@ -97,3 +98,28 @@ def test_an_upcast_read_elsewhere_or_twice_stays():
     same(before, after)
     taken, _, after = rewrite(backward("one upcast twice"), plan_rope_grad_upcasts, apply_rope_grad_upcasts)
     assert taken == 0 and converts(after) == 1
+
+
+def norms(case: str):
+    def f(q, k, cos, sin):  # the same inputs: q's rows [.., D] normalised, k's as a residual of another shape's rows
+        x = q.float().reshape(-1, D)
+        w = cos.reshape(-1, D)[0] + 1.0
+        y, _ = torch.ops.fuser.rms_norm(x, w, 1e-6, 0.0, None, None)
+        y2, _, h = torch.ops.fuser.add_rms_norm(x, sin.reshape(-1, D)[:1].expand_as(x), w, 1e-6, 0.0, None, None)
+        if case == "fp32 reader":
+            return UP(y, torch.bfloat16), UP(y2, torch.bfloat16), h, y2
+        return UP(y, torch.bfloat16), UP(y, torch.bfloat16), UP(y2, torch.float16), h
+
+    return f
+
+
+def test_norms_write_their_half_precision_output_themselves():
+    taken, before, after = rewrite(norms("cast"), plan_output_casts, apply_output_casts)
+    assert taken == 2 and converts(before) == 3 and converts(after) == 0
+    same(before, after)
+
+
+def test_a_norm_output_read_in_fp32_stays():
+    taken, before, after = rewrite(norms("fp32 reader"), plan_output_casts, apply_output_casts)
+    assert taken == 1 and converts(after) == converts(before) - 1  # rms_norm's cast goes, add_rms_norm's stays
+    same(before, after)
