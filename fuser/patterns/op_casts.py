@@ -28,6 +28,7 @@ import torch.fx
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rope_backward)
+from fuser._compat import statically_same_shape
 from fuser.engine.canonical import tensor_meta
 from fuser.patterns.base import PostGradPass
 
@@ -89,7 +90,13 @@ def _fake_results(node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
 
 
 def _same_layout(a: torch.Tensor, b: Any) -> bool:
-    return isinstance(b, torch.Tensor) and (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+    """One dtype, shape and strides, compared without guarding on symbolic sizes (a dynamic-shape graph)."""
+    return (
+        isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and statically_same_shape(a.shape, b.shape)
+        and statically_same_shape(a.stride(), b.stride())
+    )
 
 
 def plan_output_casts(graph: torch.fx.Graph) -> list:
