@@ -131,6 +131,20 @@ def call_args(node: torch.fx.Node) -> dict[str, Any]:
     return bound
 
 
+def with_args(node: torch.fx.Node, values: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``node``'s args and kwargs with the arguments ``values`` names (its schema's names) set: where the call
+    passes one by position, in its place; else as a keyword. The counterpart of :func:`call_args`."""
+    names = [a.name for a in node.target._schema.arguments]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for name, value in values.items():
+        i = names.index(name)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
 @dataclass
 class Pattern:
     """A block that fuser recognises.

@@ -39,8 +39,9 @@ import torch.fx
 import fuser.kernels.rms_norm  # noqa: F401  (registers the fuser:: norm ops)
 from fuser._compat import statically_same_shape
 from fuser.engine.canonical import tensor_meta
+from fuser.engine.protocol import call_args
 from fuser.patterns.base import PostGradPass
-from fuser.patterns.op_casts import widened_source
+from fuser.patterns.op_casts import read_unwidened, widened_source
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -127,36 +128,18 @@ def apply_norm_grad_sums(graph: torch.fx.Graph, plan: list) -> int:
 _TERM_KEYS = ("dy2", "dy3", "dy4")
 
 
-def _term_positions(node: torch.fx.Node) -> dict[str, int | str]:
-    """Where ``node`` (a norm backward) holds each output-gradient term it is given: an index into its args, or
-    the name of its keyword (post-grad graphs pass ``dy2``-``dy4`` by keyword, other traces by position)."""
-    names = [a.name for a in node.target._schema.arguments]
-    where: dict[str, int | str] = {}
-    for key in ("dy", *_TERM_KEYS):
-        i = names.index(key)
-        if i < len(node.args):
-            if node.args[i] is not None:
-                where[key] = i
-        elif node.kwargs.get(key) is not None:
-            where[key] = key
-    return where
-
-
-def _get(node: torch.fx.Node, at: int | str) -> object:
-    return node.args[at] if isinstance(at, int) else node.kwargs[at]
-
-
 def plan_norm_grad_upcasts(graph: torch.fx.Graph) -> list:
     """Each norm backward of ``graph`` whose every output-gradient term (``dy`` and ``dy2``-``dy4``) is an exact
-    upcast of a half-precision tensor, all of one dtype, that only it reads: (call, {position: its source})."""
+    upcast of a half-precision tensor, all of one dtype, that only it reads: (call, {argument: its source})."""
     plan = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _BACKWARDS:
             continue
-        terms = {at: _get(node, at) for at in _term_positions(node).values()}
+        bound = call_args(node)
+        terms = {name: bound[name] for name in ("dy", *_TERM_KEYS) if bound[name] is not None}
         if len(set(terms.values())) != len(terms):
             continue  # one tensor read twice: its upcast has one reader, but two uses
-        sources = {at: widened_source(t, node) for at, t in terms.items()}
+        sources = {name: widened_source(t, node) for name, t in terms.items()}
         if any(v is None for v in sources.values()) or len({tensor_meta(v).dtype for v in sources.values()}) != 1:
             continue
         plan.append((node, sources))
@@ -165,16 +148,7 @@ def plan_norm_grad_upcasts(graph: torch.fx.Graph) -> list:
 
 def apply_norm_grad_upcasts(graph: torch.fx.Graph, plan: list) -> int:
     for node, sources in plan:
-        upcasts = [_get(node, at) for at in sources]
-        args, kwargs = list(node.args), dict(node.kwargs)
-        for at, source in sources.items():
-            if isinstance(at, int):
-                args[at] = source
-            else:
-                kwargs[at] = source
-        node.args, node.kwargs = tuple(args), kwargs
-        for upcast in upcasts:
-            graph.erase_node(upcast)
+        read_unwidened(graph, node, sources)
     if plan:
         log.info("fuser: %d norm backward(s) read their half-precision gradient terms without upcasts", len(plan))
     return len(plan)

@@ -29,13 +29,14 @@ import torch.fx
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rope_backward)
 from fuser._compat import statically_same_shape
+from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import tensor_meta
+from fuser.engine.protocol import call_args, with_args
 from fuser.patterns.base import PostGradPass
 
 log = logging.getLogger("fuser")
 
 _CONVERT = torch.ops.prims.convert_element_type.default
-_HALF = (torch.bfloat16, torch.float16)
 # op -> the results its ``out_dtype`` argument sets
 _OUT_DTYPE_RESULTS = {
     torch.ops.fuser.rope.default: (0, 1),
@@ -51,7 +52,7 @@ def widened_source(term: object, call: torch.fx.Node) -> torch.fx.Node | None:
         return None
     source = term.args[0]
     before, after = tensor_meta(source), tensor_meta(term)
-    if before is None or after is None or before.dtype not in _HALF or after.dtype != torch.float32:
+    if before is None or after is None or before.dtype not in HALF_DTYPES or after.dtype != torch.float32:
         return None
     return source if set(term.users) == {call} else None
 
@@ -62,21 +63,9 @@ def _narrowing_to(user: torch.fx.Node) -> torch.dtype | None:
         return None
     dtype = user.args[1] if len(user.args) > 1 else None
     before = tensor_meta(user.args[0])
-    if dtype not in _HALF or before is None or before.dtype != torch.float32:
+    if dtype not in HALF_DTYPES or before is None or before.dtype != torch.float32:
         return None
     return dtype
-
-
-def _with_out_dtype(node: torch.fx.Node, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """``node``'s args and kwargs with its ``out_dtype`` argument set to ``dtype``."""
-    names = [a.name for a in node.target._schema.arguments]
-    i = names.index("out_dtype")
-    args, kwargs = list(node.args), dict(node.kwargs)
-    if i < len(args):
-        args[i] = dtype
-    else:
-        kwargs["out_dtype"] = dtype
-    return tuple(args), kwargs
 
 
 def _fake_results(node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -115,7 +104,7 @@ def plan_output_casts(graph: torch.fx.Graph) -> list:
         dtypes = {_narrowing_to(c) for c in casts}
         if not casts or len(dtypes) != 1 or None in dtypes:
             continue
-        args, kwargs = _with_out_dtype(node, dtypes.pop())
+        args, kwargs = with_args(node, {"out_dtype": dtypes.pop()})
         new = _fake_results(node, args, kwargs)
         if not all(_same_layout(new[item.args[1]], c.meta.get("val")) for item in governed for c in item.users):
             continue
@@ -139,16 +128,26 @@ def apply_output_casts(graph: torch.fx.Graph, plan: list) -> int:
     return len(plan)
 
 
+def read_unwidened(graph: torch.fx.Graph, node: torch.fx.Node, sources: dict[str, torch.fx.Node]) -> None:
+    """``node`` reads each argument ``sources`` names as the half-precision tensor given there, not its upcast
+    (:func:`widened_source`), and the upcasts, then unread, go."""
+    upcasts = [call_args(node)[name] for name in sources]
+    node.args, node.kwargs = with_args(node, sources)
+    for upcast in upcasts:
+        graph.erase_node(upcast)
+
+
 def plan_rope_grad_upcasts(graph: torch.fx.Graph) -> list:
-    """(rope_backward call, {argument index: the half-precision tensor its upcast widens}) for each call given one."""
+    """(rope_backward call, {argument: the half-precision tensor its upcast widens}) for each call given one."""
     plan = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.fuser.rope_backward.default:
             continue
-        if len(node.args) > 1 and node.args[0] is node.args[1]:
+        grads = {name: call_args(node)[name] for name in ("dq_out", "dk_out")}
+        if grads["dq_out"] is grads["dk_out"]:
             continue  # one upcast read twice
-        sources = {i: widened_source(node.args[i], node) for i in (0, 1) if len(node.args) > i}
-        sources = {i: s for i, s in sources.items() if s is not None}
+        sources = {name: widened_source(g, node) for name, g in grads.items()}
+        sources = {name: s for name, s in sources.items() if s is not None}
         if sources:
             plan.append((node, sources))
     return plan
@@ -156,13 +155,7 @@ def plan_rope_grad_upcasts(graph: torch.fx.Graph) -> list:
 
 def apply_rope_grad_upcasts(graph: torch.fx.Graph, plan: list) -> int:
     for node, sources in plan:
-        args = list(node.args)
-        upcasts = [args[i] for i in sources]
-        for i, source in sources.items():
-            args[i] = source
-        node.args = tuple(args)
-        for upcast in upcasts:
-            graph.erase_node(upcast)
+        read_unwidened(graph, node, sources)
     if plan:
         log.info("fuser: %d rope backward(s) read their half-precision gradients without upcasts", len(plan))
     return len(plan)
