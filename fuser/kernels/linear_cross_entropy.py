@@ -490,6 +490,16 @@ def _accumulate_dweight(
     _accumulate_fp32(dw_acc, g_t, h_c)
 
 
+def _chunk_logits(h_c: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, buffer: torch.Tensor):
+    """A chunk's logits, h_c @ weight_t (+ bias), written into the first rows of ``buffer``; returns them."""
+    logits = buffer[: h_c.shape[0]]
+    if bias is not None:
+        torch.addmm(bias, h_c, weight_t, out=logits)
+    else:
+        torch.mm(h_c, weight_t, out=logits)
+    return logits
+
+
 def _forward_chunked(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -506,11 +516,6 @@ def _forward_chunked(
     labels1 = labels.reshape(-1)
     labels1 = labels1 if labels1.stride(0) == 1 else labels1.contiguous()  # the kernel reads labels at unit stride
     n_rows, vocab = h2.shape[0], weight.shape[0]
-    n_valid, scale = _grad_scale(labels1, ce.ignore_index, ce.reduction)
-    # fp16: c · (softmax − onehot) with c = 1/n_valid would sit in fp16's subnormal range (a GradScaler multiplies
-    # only afterwards), so fp16 gradients are formed unnormalised and c joins grad_output in the backward
-    ones = torch.ones_like(scale)
-    scale, late_scale = (ones, scale) if h2.dtype == torch.float16 else (scale, ones)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
     write_grad = wanted.hidden or wanted.weight or wanted.bias
     dh = torch.empty_like(h2) if wanted.hidden else h2.new_empty(0)
@@ -525,6 +530,16 @@ def _forward_chunked(
     buffer = torch.empty(min(rows, n_rows), vocab, dtype=h2.dtype, device=h2.device)
     triton_dw = wanted.weight and dweight_kernel_enabled(dw_acc, buffer, dw_options.kernel)
     weight_t = weight.t()
+    # The first chunk's matmul is queued before the labels' count and the gradient scale: those are a few tiny
+    # kernels whose host time, queued first, left the GPU idle before the matmul (about 1 ms a call on the H100,
+    # lce_gaps_h100_2026-12-06.md); queued after it, they run behind it.
+    if n_rows:
+        _chunk_logits(h2[:rows], weight_t, bias, buffer)
+    n_valid, scale = _grad_scale(labels1, ce.ignore_index, ce.reduction)
+    # fp16: c · (softmax − onehot) with c = 1/n_valid would sit in fp16's subnormal range (a GradScaler multiplies
+    # only afterwards), so fp16 gradients are formed unnormalised and c joins grad_output in the backward
+    ones = torch.ones_like(scale)
+    scale, late_scale = (ones, scale) if h2.dtype == torch.float16 else (scale, ones)
     chunk_step = _launch_chunk if triton_path else _reference_chunk  # a chunk's loss and gradient, alike
     # dhidden and dweight both only read a chunk's gradient: with a side stream the weight gradient's memory-bound
     # accumulation overlaps the compute-bound dhidden matmul (no extra memory); the next chunk waits for both
@@ -532,11 +547,8 @@ def _forward_chunked(
     side = _side_stream(h2.device, dw_options.streams) if wanted.weight and wanted.hidden else None
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
-        h_c, logits = h2[start:end], buffer[: end - start]
-        if bias is not None:
-            torch.addmm(bias, h_c, weight_t, out=logits)
-        else:
-            torch.mm(h_c, weight_t, out=logits)
+        h_c = h2[start:end]
+        logits = _chunk_logits(h_c, weight_t, bias, buffer) if start else buffer[: end - start]
         chunk_step(logits, labels1[start:end], loss_rows[start:end], scale, ce, write_grad)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(h2.device))

@@ -755,6 +755,42 @@ def test_op_uses_chunk_rows(path, gen, monkeypatch):
     path.check([40, 30])
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_first_matmul_is_queued_before_the_gradient_scale(with_bias, gen, monkeypatch):
+    """The first chunk's logits matmul comes before the labels' count (``_grad_scale``'s ``sum``) and the fills that
+    follow it: queued first, those tiny kernels left the GPU idle before the matmul
+    (lce_gaps_h100_2026-12-06.md). Every chunk still has exactly one logits matmul."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Order(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(lce_module, "chunk_rows", lambda *a: 32)  # 80 rows: chunks of 32, 32 and 16
+    h, w, b = make_inputs((2, 40), 16, 30, torch.float32, gen, bias=True)
+    labels = make_labels(80, 30, gen)
+    with Order() as order:
+        lce_module._forward_chunked(
+            h, w, b if with_bias else None, labels, lce_module.CrossEntropy(-100, "mean", 1.0, 0.0),
+            lce_module.GradsWanted(True, True, with_bias), lce_module.DweightOptions("cublas", "input", True), False,
+        )  # fmt: skip
+    matmul = "addmm" if with_bias else "mm"
+    first = order.names.index(matmul)
+    assert first < order.names.index("sum"), order.names
+    assert first < order.names.index("ones_like"), order.names
+    # per chunk: the logits (addmm with a bias), dW (mm for the first chunk, then addmm_) and dh (mm)
+    if with_bias:
+        assert order.names.count("addmm") == 3 and order.names.count("mm") == 4, order.names
+    else:
+        assert order.names.count("mm") == 7, order.names
+    assert order.names.count("addmm_") == 2, order.names
+
+
 def test_rejects_bad_arguments():
     h, w, b = torch.randn(2, 3, 8), torch.randn(10, 8), torch.randn(10)
     labels = torch.zeros(6, dtype=torch.long)
