@@ -1,0 +1,84 @@
+"""Tier 3: the cast passes across families, under CPU bf16 autocast over fp32 weights (a trainer's ``bf16=True`` on an
+fp32 model), through Inductor with its caches off so that the post-grad passes run.
+
+``output_casts`` (a norm or rotation writes the bf16 result its readers cast to), ``rope_grad_upcasts`` (the
+rotation's backward reads attention's bf16 gradients) and ``norm_grad_upcasts`` (a norm backward reads its bf16
+gradient terms) only remove copies, so the step with them equals the step without them bit for bit. Checked on the
+families whose norms sit differently: Qwen3 and Gemma-3 (per-head q/k norms before the rotation; Gemma's 1 + w and
+GeGLU), OLMo-2 (norms after the attention and the MLP, and q/k norms over the whole projection) and Phi-3 (packed
+qkv and gate/up projections).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+import fuser.dynamo_backend as dynamo_backend
+from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, from_config, grads
+
+CAST_PASSES = ("norm_grad_upcasts", "output_casts", "rope_grad_upcasts")
+CONFIG = fuser.FuserConfig(strict=True)  # Inductor, every default on
+
+
+def _model(arch: str) -> torch.nn.Module:
+    if arch == "phi3":
+        model = from_config("Phi3Config", {"attn_implementation": "sdpa", "pad_token_id": 0})
+    elif arch == "gemma3":
+        model = from_config("Gemma3TextConfig", {"attn_implementation": "sdpa", "sliding_window": 8})
+    else:
+        model = build(arch)
+    model.train()
+    model.config.use_cache = False  # a returned cache keeps the rotated k in fp32, and its cast with it
+    return model
+
+
+def _expected(arch: str) -> dict[str, int]:
+    """Calls each pass rewrites. Where each layer's two norms feed projections (q/k/v; gate/up), every such norm's
+    backward reads bf16 terms and every such norm writes its bf16 output, as the final norm does for the lm_head;
+    each layer's rotation writes bf16 for attention and reads its bf16 gradients. OLMo-2's layer norms follow the
+    attention and the MLP: only the final norm feeds a projection."""
+    feeding = 1 if arch == "olmo2" else 2 * N_LAYERS + 1
+    return {"norm_grad_upcasts": feeding, "output_casts": feeding + N_LAYERS, "rope_grad_upcasts": N_LAYERS}
+
+
+@pytest.fixture(autouse=True)
+def _no_inductor_cache():
+    import torch._functorch.config as functorch_config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _autocast_step(model, monkeypatch, with_casts: bool):
+    """(loss, gradients) of one autocast step through fuser, and the calls each cast pass rewrote."""
+    real = dynamo_backend.post_grad_passes
+    if not with_casts:
+        without = lambda patterns: [p for p in real(patterns) if p.name not in CAST_PASSES]  # noqa: E731
+        monkeypatch.setattr(dynamo_backend, "post_grad_passes", without)
+    backend = fuser.backend(CONFIG)
+    before = {name: backend.post_grad_counts.get(name, 0) for name in CAST_PASSES}
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fuser.optimize(model, CONFIG)(**batch())
+        out.loss.backward()
+    finally:
+        monkeypatch.setattr(dynamo_backend, "post_grad_passes", real)
+        torch._dynamo.reset()
+    taken = {name: backend.post_grad_counts.get(name, 0) - before[name] for name in CAST_PASSES}
+    return (out.loss.detach(), grads(model)), taken
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "olmo2", "phi3"])
+def test_autocast_step_with_the_cast_passes_equals_the_step_without_them(arch, monkeypatch):
+    model = _model(arch)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    on, taken = _autocast_step(copy.deepcopy(model), monkeypatch, with_casts=True)
+    off, taken_off = _autocast_step(copy.deepcopy(model), monkeypatch, with_casts=False)
+    assert taken == _expected(arch)
+    assert taken_off == dict.fromkeys(CAST_PASSES, 0)
+    assert on[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in on[1].values())
+    assert_same_step(on, off)
