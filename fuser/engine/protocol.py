@@ -49,7 +49,8 @@ class ArgExpr:
     """A replacement argument that the rewrite builds in the graph, right before the fused op.
 
     Subclasses are frozen dataclasses with a ``source`` node field: when an earlier replacement took ``source``'s
-    place, the engine swaps in the new node (``dataclasses.replace``) before calling :meth:`build`.
+    place, the engine swaps in the new node (``dataclasses.replace``) before calling :meth:`build`. ``source`` may
+    itself be an ``ArgExpr``: the engine builds it first and hands :meth:`build` the node it made.
     """
 
     source: Node

@@ -294,8 +294,8 @@ def apply_matches(result: RewriteResult) -> None:
                 node = replaced[node]
             return node
 
-        if isinstance(value, ArgExpr):
-            return dataclasses.replace(value, source=current(value.source))
+        if isinstance(value, ArgExpr):  # its source may be another ArgExpr (a transposed view of a repeated cos)
+            return dataclasses.replace(value, source=resolve(value.source))
         return torch.fx.node.map_arg(value, current)
 
     for match in result.matches:
@@ -337,8 +337,13 @@ def apply_matches(result: RewriteResult) -> None:
 
 
 def _built(value: Any, graph: torch.fx.Graph) -> Any:
-    """A replacement argument as the fused op's call takes it: an :class:`ArgExpr` built in ``graph``."""
-    return value.build(graph) if isinstance(value, ArgExpr) else value
+    """A replacement argument as the fused op's call takes it: an :class:`ArgExpr` built in ``graph``, its source
+    first where that is one too."""
+    if not isinstance(value, ArgExpr):
+        return value
+    if isinstance(value.source, ArgExpr):
+        value = dataclasses.replace(value, source=_built(value.source, graph))
+    return value.build(graph)
 
 
 def _return_none_for(node: Node) -> None:

@@ -257,10 +257,6 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         raise Decline(
             f"cos/sin vary over heads (shapes {shapes[0]}, {shapes[1]}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
         )
-    if heads_third and form.half_width_cos:
-        raise Decline(f"cos/sin broadcast over dim 2 ([B, T, H, D]) in the {variant.name} form")
-    if heads_third and form.negated_sin:
-        raise Decline("cos/sin broadcast over dim 2 ([B, T, H, D]) in the sign-flipped rotate_half form")
     if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
     # eager's x*cos + rotate(x)*sin promotes: bf16 q (an autocast linear) and fp32 cos/sin give fp32. Every
@@ -279,7 +275,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
     else:
         cos, sin = b["cos"], b["sin"]
     if form.negated_sin:
-        sin = Negated(b["sin"])
+        sin = Negated(sin)
     x, adapter = b["x"], None
     if heads_third:
         x, cos, sin, adapter = Transposed12(x), Transposed12(cos), Transposed12(sin), transposed_back

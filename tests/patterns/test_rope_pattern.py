@@ -426,3 +426,79 @@ def test_complex_form_with_a_per_head_rotation_declines():
     xq = torch.randn(B, T, HQ, D)
     freqs = torch.polar(torch.ones(B, T, HQ, D // 2), torch.randn(B, T, HQ, D // 2))
     assert fuser.explain(per_head, xq, freqs).counts == {}
+
+
+# The same rotations on [B, T, H, D] q/k, cos/sin unsqueezed at dim 2 (GPT-J, CodeGen, the DeepSeek-V3.2 and HY-V4
+# indexers): the op runs on the [B, H, T, D] view, with half-width cos/sin repeated over both halves first
+def llama_heads_third(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def pairs_to_halves_heads_third(q, k, cos, sin):  # HY-V4's indexer (transformers 5.25)
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(2)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(2)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1), torch.cat(
+        [k1 * cos - k2 * sin, k2 * cos + k1 * sin], -1
+    )
+
+
+def chunked_heads_third(q, k, cos, sin):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(2)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(2)
+
+    def rotate(x):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def sign_flipped_heads_third(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (q * cos) + (rotate_half_flipped(q) * sin), (k * cos) + (rotate_half_flipped(k) * sin)
+
+
+HEADS_THIRD = [llama_heads_third, pairs_to_halves_heads_third, chunked_heads_third, sign_flipped_heads_third]
+
+
+def _inputs_heads_third(dtype):
+    q = torch.randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, HK, D, dtype=dtype, requires_grad=True)
+    angles = torch.randn(1, T, D // 2)
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("fn", HEADS_THIRD, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_heads_third_rotations_match_as_one_op_and_are_as_close_to_fp64_as_eager(fn, dtype):
+    """One op for q and k, its results in q's [B, T, H, D] layout; forward and backward against an fp64 run: fp32
+    to fp32 rounding, bf16 no further from fp64 than eager bf16 (the op rounds once, eager after each product)."""
+    q, k, cos, sin = _inputs_heads_third(dtype)
+    report = fuser.explain(fn, q, k, cos, sin)
+    assert report.counts == {"rope": 1} and not report.near_misses, str(report)
+    q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
+    ref64 = fn(q64, k64, cos.double(), sin.double())
+    q_eager, k_eager = (t.detach().clone().requires_grad_() for t in (q, k))
+    eager = fn(q_eager, k_eager, cos, sin)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(q, k, cos, sin)
+    assert fuser.backend(config).counts == {"rope": 1}
+    grads = [torch.randn_like(r) for r in ref64]
+    torch.autograd.backward(ref64, grads)
+    torch.autograd.backward(eager, [g.to(dtype) for g in grads])
+    torch.autograd.backward(out, [g.to(dtype) for g in grads])
+    pairs = [*zip(out, eager, ref64, strict=True), (q.grad, q_eager.grad, q64.grad), (k.grad, k_eager.grad, k64.grad)]
+    for got, eager_value, want in pairs:
+        assert got.dtype == dtype and got.shape == want.shape and got.stride() == eager_value.stride()
+        if dtype == torch.float32:
+            assert _rel(got, want) <= 1e-6, _rel(got, want)
+        else:
+            assert _rel(got, want) <= _rel(eager_value, want), (_rel(got, want), _rel(eager_value, want))
