@@ -302,7 +302,10 @@ def _is_gated_mlp_module(module: torch.nn.Module) -> bool:
     cls = type(module).__name__.lower()
     children = [c for c in module.children() if isinstance(c, torch.nn.Linear)]
     linears = len(children)
-    if linears == 2 and "norm" not in cls:  # packed: one linear of 2 × the other's input, as ModernBERT's Wi, Wo
+    # packed: one linear of 2 × the other's input, as ModernBERT's Wi, Wo; not an attention whose packed qkv happens to
+    # be twice o_proj's width (Ergo's at the tiny shapes: 4 heads of q, 2 of k and 2 of v)
+    attention = "attn" in cls or "attention" in cls
+    if linears == 2 and "norm" not in cls and not attention:
         a, b = children
         if a.out_features == 2 * b.in_features and b.out_features == a.in_features:
             return True
