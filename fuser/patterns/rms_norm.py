@@ -47,7 +47,7 @@ from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_s
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
 from fuser.options import check_fields
-from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import FLOAT_DTYPES, CastTo, Decline, Pattern, Replacement, Variant
 from fuser.patterns.norm_grad_sums import PASS as GRAD_SUMS_PASS
 from fuser.patterns.norm_grad_sums import UPCASTS_PASS as GRAD_UPCASTS_PASS
 from fuser.patterns.op_casts import OUTPUT_CASTS_PASS
@@ -364,7 +364,7 @@ def _cast_for(graph: torch.fx.Graph, value: object, dtype: torch.dtype, before: 
     if t is None or t.dtype == dtype:
         return value
     with graph.inserting_before(before):
-        cast = graph.call_method("to", (value, dtype))
+        cast = CastTo(value, dtype).build(graph)
     copy_source_meta(before, cast)
     cast.meta["example_value"] = t.to(dtype)
     return cast
