@@ -65,7 +65,6 @@ from fuser.kernels._triton import (
     compute_dtype,
     launchable,
     next_power_of_2,
-    num_programs_for,
     tl,
     triton,
     triton_runs,
@@ -268,43 +267,14 @@ if HAS_TRITON:
         ignore_index,
         logit_scale,
         softcap,
-        n_rows,
         HAS_SOFTCAP: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        PERSISTENT: tl.constexpr = False,
-        REVERSE: tl.constexpr = False,
     ):
         # fp32, also where the launcher passes fp64 (Inductor does, for inline_ops)
         logit_scale, softcap = tl.cast(logit_scale, tl.float32), tl.cast(softcap, tl.float32)
-        if PERSISTENT:
-            # rows pid, pid + programs, ...: a grid whose rows in flight (one per program) fit the L2 cache, so
-            # that the gradient pass may read them from there
-            for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-                _chunk_row(logits_ptr, labels_ptr, loss_ptr, scale_ptr, row, logits_row_stride, n_cols, ignore_index,
-                           logit_scale, softcap, HAS_SOFTCAP, WRITE_GRAD, BLOCK_V, REVERSE)  # fmt: skip
-        else:  # a program per row
-            _chunk_row(logits_ptr, labels_ptr, loss_ptr, scale_ptr, tl.program_id(0), logits_row_stride, n_cols,
-                       ignore_index, logit_scale, softcap, HAS_SOFTCAP, WRITE_GRAD, BLOCK_V, REVERSE)  # fmt: skip
-
-    @triton.jit
-    def _chunk_row(
-        logits_ptr,
-        labels_ptr,
-        loss_ptr,
-        scale_ptr,
-        row,
-        logits_row_stride,
-        n_cols,
-        ignore_index,
-        logit_scale,
-        softcap,
-        HAS_SOFTCAP: tl.constexpr,
-        WRITE_GRAD: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        REVERSE: tl.constexpr,
-    ):
-        row_ptr = logits_ptr + tl.cast(row, tl.int64) * logits_row_stride  # row: a Python int when interpreted
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * logits_row_stride
         label = tl.load(labels_ptr + row).to(tl.int64)
         # pass 1: log-sum-exp, online over blocks of the vocabulary (one max and one sum per block)
         # (s_rest: the same sum without the label's column)
@@ -340,30 +310,17 @@ if HAS_TRITON:
         loss = tl.where(valid & out_of_range, float("nan"), loss)
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
-            # pass 2: overwrite the logits with c · (softmax − onehot) · dz/dx (0 for an ignored row); with REVERSE
-            # from the last block back, the blocks pass 1 read most recently first
-            c = tl.where(valid, tl.load(scale_ptr), 0.0) * logit_scale
-            if REVERSE:
-                n_blocks = tl.cdiv(n_cols, BLOCK_V)
-                for i in range(0, n_blocks):
-                    _write_grad_block(row_ptr, (n_blocks - 1 - i) * BLOCK_V, n_cols, label, label_grad, lse, c,
-                                      logit_scale, softcap, HAS_SOFTCAP, BLOCK_V)  # fmt: skip
-            else:
-                for start in range(0, n_cols, BLOCK_V):
-                    _write_grad_block(row_ptr, start, n_cols, label, label_grad, lse, c, logit_scale, softcap,
-                                      HAS_SOFTCAP, BLOCK_V)  # fmt: skip
-
-    @triton.jit
-    def _write_grad_block(row_ptr, start, n_cols, label, label_grad, lse, c, logit_scale, softcap,
-                          HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z, t = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
-        d = tl.where(cols == label, label_grad, tl.exp(z - lse)) * c
-        if HAS_SOFTCAP:
-            d = d * (1.0 - t * t)
-        tl.store(row_ptr + cols, d.to(row_ptr.dtype.element_ty), mask=mask)
+            # pass 2: overwrite the logits with c · (softmax − onehot) · dz/dx (0 for an ignored row)
+            c = tl.where(valid, tl.load(scale_ptr), 0.0)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < n_cols
+                x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                z, t = _transform(x, logit_scale, softcap, HAS_SOFTCAP)
+                d = tl.where(cols == label, label_grad, tl.exp(z - lse)) * (c * logit_scale)
+                if HAS_SOFTCAP:
+                    d = d * (1.0 - t * t)
+                tl.store(row_ptr + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def scale_inplace_kernel(x_ptr, n, s_ptr, BLOCK: tl.constexpr):
@@ -456,27 +413,17 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
 # per chunk at 2048 × 256000 / 2048 × 128256 / 3280 × 151936 rows × vocabulary: 4096 × 8 warps 0.91 / 0.47 / 0.86,
 # 8192 × 16 (before) 1.08 / 0.60 / 1.14, every other block × warps tried 1.01 or more / 0.51 / 0.95. A lane-sum form
 # of the first pass and a dhidden split over the vocabulary were also timed in the op and dropped (same file)
-# ``programs_per_sm`` 0: one program per row; k > 0: a persistent grid of k programs per SM, each looping over rows.
-# ``REVERSE`` 1: the gradient pass reads a row's blocks from the last back (what the first pass left in L2 first).
-# The idea behind both: with a program per row about 1,000 rows are in flight, far more than the L2 cache holds, so
-# the gradient pass reads each row from memory a second time (the kernel moves three row-lengths; two would do if
-# the second read hit L2: 0.57 ms a chunk at 2048 × 128256 on the H100, lce_gaps_h100_2026-12-06.md). Not yet
-# timed on a GPU; the defaults keep the measured launch (the kernel then compiles to the same PTX as before).
-CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 0, "REVERSE": 0}
-_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4, "programs_per_sm": 0, "REVERSE": 0}
+CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8}
+_CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4}
 
 
-def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool, config=None) -> None:
-    """One chunk's loss (and gradient in place) by ``lce_chunk_kernel``, launched as ``config`` says (default: the
-    tuning table for the device)."""
+def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad: bool) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = config or (CHUNK_KERNEL_CONFIG if logits.is_cuda else _CPU_CHUNK_KERNEL_CONFIG)
+    cfg = CHUNK_KERNEL_CONFIG if logits.is_cuda else _CPU_CHUNK_KERNEL_CONFIG
     block_v = min(next_power_of_2(n_cols), cfg["BLOCK_V"])
-    per_sm = cfg.get("programs_per_sm", 0)
-    programs = n_rows if per_sm <= 0 else min(n_rows, num_programs_for(logits, per_sm))
-    launchable(lce_chunk_kernel)[(programs,)](
+    launchable(lce_chunk_kernel)[(n_rows,)](
         logits,
         labels,
         loss_rows,
@@ -486,12 +433,9 @@ def _launch_chunk(logits, labels, loss_rows, scale, ce: CrossEntropy, write_grad
         int(ce.ignore_index),
         float(ce.logit_scale),
         float(ce.softcap) if ce.softcap else 1.0,
-        n_rows,
         HAS_SOFTCAP=bool(ce.softcap),
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        PERSISTENT=programs < n_rows,
-        REVERSE=bool(cfg.get("REVERSE", 0)),
         num_warps=cfg["num_warps"],
     )
 

@@ -207,9 +207,6 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         "linear_cross_entropy, Triton dW kernel, two chunks": lambda: lce_with_triton_dweight(
             ops["linear_cross_entropy_op"], h, vocab_w, labels
         ),
-        "linear_cross_entropy, persistent loss kernel": lambda: lce_with_persistent_loss_kernel(
-            ops["linear_cross_entropy_op"], h, vocab_w, labels
-        ),
         "linear_cross_entropy backward's scale": lambda: L._scale_inplace(
             t(rows * 2, hidden, dtype=dt), t((), dtype=torch.float32)
         ),
@@ -252,21 +249,6 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum_wide (rounded and fp32 sums)": lambda: ops["lora_sum_wide_op"](x, x32, b32, 2.0),
         }
     return scenarios
-
-
-def lce_with_persistent_loss_kernel(op, h, w, labels) -> None:
-    """lm_head+CE with the loss kernel's persistent grid and its gradient pass from the last block back, at the
-    widest block the tuning sweep tries. The scenario's chunks (64 rows) are fewer than an H200's SMs, so the grid
-    is made smaller than a chunk here: the kernel compiled is the one a larger chunk launches."""
-    saved, programs_for = dict(L.CHUNK_KERNEL_CONFIG), L.num_programs_for
-    L.CHUNK_KERNEL_CONFIG.update(BLOCK_V=16384, num_warps=32, programs_per_sm=1, REVERSE=1)
-    L.num_programs_for = lambda t, programs_per_sm=4: 16
-    try:
-        op(h, w, None, labels, -100, "mean", 1.0, 0.0, True, True, False, "cublas", "input", NO_STREAMS)
-    finally:
-        L.CHUNK_KERNEL_CONFIG.clear()
-        L.CHUNK_KERNEL_CONFIG.update(saved)
-        L.num_programs_for = programs_for
 
 
 def lce_with_triton_dweight(op, h, w, labels) -> None:

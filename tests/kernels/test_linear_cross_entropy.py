@@ -791,41 +791,6 @@ def test_first_matmul_is_queued_before_the_gradient_scale(with_bias, gen, monkey
     assert order.names.count("addmm_") == 2, order.names
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its interpreter on CPU)")
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"BLOCK_V": 64, "num_warps": 4, "programs_per_sm": 0, "REVERSE": 0},  # a program per row
-        {"BLOCK_V": 64, "num_warps": 4, "programs_per_sm": 0, "REVERSE": 1},
-        # a persistent grid: on the interpreter num_programs_for gives 4 programs, so rows are strided by 4
-        {"BLOCK_V": 64, "num_warps": 4, "programs_per_sm": 1, "REVERSE": 0},
-        {"BLOCK_V": 64, "num_warps": 4, "programs_per_sm": 2, "REVERSE": 1},
-    ],
-    ids=["per-row", "per-row-reversed", "persistent", "persistent-reversed"],
-)
-@pytest.mark.parametrize("softcap", [0.0, 4.0])
-def test_chunk_kernel_launches_match_fp64(config, softcap, gen, triton_on_cpu):
-    """Each launch form of the loss kernel (a program per row; a persistent grid whose programs stride over the
-    rows; the gradient pass from the last vocabulary block back) gives the fp64 reference's loss and logits
-    gradient, on a ragged last block, an ignored row and an out-of-range label."""
-    triton_on_cpu()
-    n_rows, vocab = 11, 200  # more rows than the interpreter's persistent grid (4 programs): 3 rows for some
-    logits = randn((n_rows, vocab), gen, scale=3.0)
-    labels = make_labels(n_rows, vocab, gen, n_ignored=1)
-    labels[int((labels != -100).nonzero()[0, 0])] = vocab + 5  # the first counted row's label out of range
-    ce = lce_module.CrossEntropy(-100, "mean", 1.3, softcap)
-    scale = torch.tensor(0.25)
-    got, loss = logits.clone(), torch.full((n_rows,), float("nan"))
-    lce_module._launch_chunk(got, labels, loss, scale, ce, True, config)
-    want, loss64 = logits.double(), torch.full((n_rows,), float("nan"), dtype=torch.float64)
-    lce_module._reference_chunk(want, labels, loss64, scale.double(), ce, True)
-    bad = labels == vocab + 5
-    assert bad.sum() == 1 and loss[bad].isnan().all() and loss64[bad].isnan().all()
-    assert torch.allclose(loss[~bad].double(), loss64[~bad], rtol=1e-5, atol=1e-6), (loss, loss64)
-    assert not got.isnan().any()
-    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-7)
-
-
 def test_rejects_bad_arguments():
     h, w, b = torch.randn(2, 3, 8), torch.randn(10, 8), torch.randn(10)
     labels = torch.zeros(6, dtype=torch.long)
@@ -986,28 +951,6 @@ def test_gpu_side_stream_changes_nothing(hidden, gen, monkeypatch):
     assert torch.equal(one[0], two[0])
     for name, a, b in zip(("hidden.grad", "weight.grad"), one[1][:2], two[1][:2], strict=True):
         assert torch.equal(a, b), f"{name} differs with the side stream"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("per_sm, reverse", [(0, 1), (1, 0), (1, 1), (2, 1)])
-def test_gpu_loss_kernel_launch_forms_change_nothing(per_sm, reverse, gen, monkeypatch):
-    """The loss kernel's persistent grid (``programs_per_sm`` > 0: fewer programs than a chunk's rows) and its
-    reversed gradient pass compute each row as a program per row does, in the same order within a block: the op's
-    results are the default launch's bit for bit (4 chunks of 2048 rows, softcapped, an ignored tenth)."""
-    shape = (8192, 2048, 128256)
-    monkeypatch.setattr(lce_module, "LOGITS_BUDGET_BYTES", shape[0] // 4 * shape[2] * 2)  # 4 chunks
-    h, w, labels = gpu_inputs(shape, torch.bfloat16, gen)
-    default = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0)
-    monkeypatch.setitem(lce_module.CHUNK_KERNEL_CONFIG, "programs_per_sm", per_sm)
-    monkeypatch.setitem(lce_module.CHUNK_KERNEL_CONFIG, "REVERSE", reverse)
-    programs = []
-    real = lce_module.num_programs_for
-    monkeypatch.setattr(lce_module, "num_programs_for", lambda *a: programs.append(real(*a)) or programs[-1])
-    other = run_gpu_fuser(h, w, labels, monkeypatch, softcap=30.0)
-    assert (len(programs) == 4 and all(p < 2048 for p in programs)) if per_sm else not programs
-    assert torch.equal(default[0], other[0])
-    for name, a, b in zip(("hidden.grad", "weight.grad"), default[1][:2], other[1][:2], strict=True):
-        assert torch.equal(a, b), f"{name} differs with programs_per_sm={per_sm}, REVERSE={reverse}"
 
 
 @pytest.mark.gpu
