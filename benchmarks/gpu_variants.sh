@@ -13,6 +13,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 JOB=${JOB:?JOB=<train_step.py job>}
 R=/tmp/variants_$JOB
+# a fresh folder: on a warm machine an earlier call's JSON would otherwise stand in for a process that timed out
+rm -rf "$R"
 mkdir -p "$OUT" "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -66,7 +68,7 @@ for name in sys.argv[2:]:
     label = (r / f"{name}.label").read_text().strip() if (r / f"{name}.label").exists() else name
     path = r / f"{name}.json"
     if not path.exists():
-        print(f"| {label} | no result | | | | | |")
+        print(f"| {label} | no result (the process wrote none: timed out or crashed, see its log) | | | | | |")
         continue
     d = json.loads(path.read_text())
     d = one_mode(d)

@@ -125,6 +125,43 @@ MODELS: dict[str, Model] = {
         ),
         34,
     ),
+    # microsoft/Phi-3-mini-4k-instruct: packed qkv_proj and gate_up_proj, 32k vocab, no GQA (held out: no issue
+    # names it)
+    "phi3-mini": Model(
+        "phi3",
+        dict(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=32000,
+        ),
+        32,
+    ),
+    # allenai/OLMo-2-1124-7B: norms after attention and MLP (post-norm residuals), q/k RMSNorm over all heads' width
+    # (held out)
+    "olmo2-7b": Model(
+        "olmo2",
+        dict(
+            vocab_size=100352,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=False,
+            pad_token_id=100277,
+        ),
+        32,
+    ),
     # issue 16's smallest clear CPU configuration (fp32 drop ≈ 0.0025; eager/fuser bf16 10-19 % of it)
     "cpu-small": Model(
         "llama",
@@ -202,6 +239,10 @@ JOBS = {
     ),
     "qwen25-7b-lora": Job("qwen25-7b", "lora", 4, 2048, about="Qwen2.5-7B, LoRA r16 on all linear layers"),
     "gemma3-4b-lora": Job("gemma3-4b", "lora", 4, 2048, about="Gemma-3-4B (text), LoRA r16 on all linear layers"),
+    "phi3-mini-lora": Job("phi3-mini", "lora", 4, 2048, about="Phi-3-mini (3.8B), LoRA r16 on all linear layers"),
+    "olmo2-7b-lora": Job(
+        "olmo2-7b", "lora", 4, 2048, about="OLMo-2-7B (post-norms, q/k norms), LoRA r16 on all linear layers"
+    ),
     "llama3-8b-qlora": Job("llama3-8b", "qlora", 4, 2048, about="Llama-3-8B, QLoRA (bitsandbytes NF4 base) r16"),
     "llama3-8b-lora-gc-32k": Job(
         "llama3-8b", "lora", 1, 32768, checkpointing=True, about="Llama-3-8B, LoRA r16, gradient checkpointing"
