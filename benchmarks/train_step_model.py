@@ -22,6 +22,15 @@ def job_config(job: Job, args: argparse.Namespace, seq: int):
         fields["num_hidden_layers"] = args.layers
     positions = fields.get("max_position_embeddings", MODELS[job.model].fields["max_position_embeddings"])
     fields["max_position_embeddings"] = max(positions, seq)
+    if args.tiny:  # the checkpoint's special tokens (Phi-3's pad 32000) must lie inside the tiny vocabulary
+        import transformers
+
+        model = MODELS[job.model]
+        defaults = transformers.CONFIG_MAPPING[model.model_type]()
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            token = model.fields.get(key, getattr(defaults, key, None))
+            if isinstance(token, int) and token >= fields["vocab_size"]:
+                fields[key] = fields["vocab_size"] - 1
     return model_config(job.model, **fields)
 
 

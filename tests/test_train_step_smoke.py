@@ -43,9 +43,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _run(train_step, tmp_path: Path, mode: str, *extra: str) -> dict:
-    out = tmp_path / f"{mode}.json"
-    argv = ["--job", "llama3-8b-lora", "--mode", mode, "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"]
+def _run(train_step, tmp_path: Path, mode: str, *extra: str, job: str = "llama3-8b-lora") -> dict:
+    out = tmp_path / f"{job}-{mode}.json"
+    argv = ["--job", job, "--mode", mode, "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"]
     assert train_step.main([*argv, *extra, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -66,6 +66,28 @@ def test_tiny_lora_job_runs_eager_and_fuser_with_equal_first_losses(train_step, 
     assert abs(fused["first_loss"] - eager["first_loss"]) <= 1e-4 * abs(eager["first_loss"])
     assert fused["fuser_counts"], "fuser fused nothing in the tiny Llama"
     assert eager["trainable_params"] < eager["params"]  # LoRA: the base is frozen
+
+
+def _one_job_per_model():
+    jobs = load_benchmark("jobs")
+    first: dict[str, str] = {}
+    for name, job in jobs.JOBS.items():
+        if job.method != "qlora" and not job.checkpointing and job.model not in first.values():
+            first.setdefault(job.model, name)
+    return sorted(first.values())
+
+
+@pytest.mark.parametrize("job", _one_job_per_model())
+def test_every_models_job_fuses_at_tiny_size_with_eagers_first_loss(train_step, tmp_path, job):
+    """Every model in benchmarks/jobs.py (each family's public shapes as data) builds at ``--tiny`` size through
+    ``AutoConfig.for_model``, fuses its norms, rotations and loss, and starts from eager's loss."""
+    eager = _run(train_step, tmp_path, "eager", job=job)
+    fused = _run(train_step, tmp_path, "fuser", "--fuser-inner-compiler", "aot_eager", job=job)
+    assert eager["status"] == fused["status"] == "ok"
+    assert abs(fused["first_loss"] - eager["first_loss"]) <= 1e-4 * abs(eager["first_loss"])
+    counts = fused["fuser_counts"]
+    assert counts.get("rope") and counts.get("linear_cross_entropy") == 1, counts
+    assert counts.get("rms_norm", 0) + counts.get("rms_norm_linear", 0) > 0, counts
 
 
 def test_cpu_refuses_qlora_and_liger_with_a_message(train_step, capsys):
