@@ -21,7 +21,10 @@ STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 # rotation's own rounding (below)
 ROPE_ONLY = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=("rope",))
 # tests/models/test_rms_norm_models.py's bf16/autocast rule: fuser's error against an fp64 run may exceed
-# eager's by a factor 1.5 plus half a bf16 eps
+# eager's by a factor 1.5 plus half a bf16 eps. At this width a whole step's error is summation order: Inductor's
+# own loss error is 0.6-9.6x eager's across seeds, and fuser's follows Inductor's within 5%
+# (autocast_step_error_spread_cpu_2026-12-06.md); the rotation's own rounding is held to eager's error with no
+# slack in tests/patterns/test_rope_pattern.py
 BF16_FACTOR, BF16_FLOOR = 1.5, 4e-3
 
 
