@@ -6,8 +6,9 @@ labels = input_ids (random tokens, fixed seed), ``model.train()``. A step is for
 ``optimizer.step()``, ``zero_grad(set_to_none=True)``, timed between two ``torch.cuda.synchronize()``.
 
 Modes: ``eager``; ``compile`` (``torch.compile(model)``, Inductor); ``liger`` (Liger-Kernel's
-``apply_liger_kernel_to_llama``/``_qwen3`` with rms_norm, rope, swiglu and fused_linear_cross_entropy, applied
-before the model is built; only where ``liger_kernel`` imports); ``fuser`` (``fuser.optimize(model)``).
+``apply_liger_kernel_to_<model type>``, e.g. ``_llama``, ``_gemma3_text``, ``_phi3``, with rms_norm, rope, the gated
+activation and fused_linear_cross_entropy, applied before the model is built; only where ``liger_kernel`` imports
+and has a patch for the job's model type); ``fuser`` (``fuser.optimize(model)``).
 
 One mode (prints a summary, ``--json`` writes every number):
 
