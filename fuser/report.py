@@ -94,7 +94,8 @@ class Report:
             return dict(self.counts)
         out: dict[str, int] = {}
         for match, runs in zip(self.matches, self.runs, strict=True):
-            out[match.pattern] = out.get(match.pattern, 0) + runs
+            for name in (match.pattern, *match.replacement.emits_also):
+                out[name] = out.get(name, 0) + runs
         return out
 
     def __str__(self) -> str:

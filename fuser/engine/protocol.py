@@ -98,6 +98,9 @@ class Replacement:
     # what the check found, when the variant's name alone would not say it (a mask proved to be a window of 1024
     # keys: "window 1024"): the report's variant column shows it instead of the variant's name
     variant: str | None = None
+    # patterns whose fused ops the replacement's arguments emit besides ``op`` (an autocast LoRA sum's lora_A as
+    # ``fuser::upcast_linear``): counted under those names, one each
+    emits_also: tuple[str, ...] = ()
 
 
 def _always(config: FuserConfig) -> bool:

@@ -102,8 +102,13 @@ class RewriteResult:
 
 
 def count_by_pattern(matches: Iterable[Match]) -> dict[str, int]:
-    """Pattern name → fused ops emitted (a combined q+k RoPE match is one op)."""
-    return dict(Counter(m.pattern for m in matches))
+    """Pattern name → fused ops emitted (a combined q+k RoPE match is one op; the ops a replacement's arguments
+    emit, ``Replacement.emits_also``, count under their own patterns)."""
+    counts: Counter[str] = Counter()
+    for m in matches:
+        counts[m.pattern] += 1
+        counts.update(m.replacement.emits_also)
+    return dict(counts)
 
 
 def subgraph_modules(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
@@ -192,6 +197,8 @@ def _try_patterns(
 ) -> Match | None:
     for pattern in patterns:
         reasons: set[str] = set()  # of this pattern's declines at this node
+        # declines of one form are near-misses only if no other form of the pattern is accepted at this node
+        pending: list[NearMiss] = []
         for variant in pattern.variants:
             for found in match_tree(variant.tree, node):
                 if any(n in claimed for n in found.nodes):
@@ -212,18 +219,19 @@ def _try_patterns(
                     covered = set(found.nodes)
                     same = any(
                         nm.pattern == pattern.name and nm.reason == str(why) and covered <= set(nm.nodes)
-                        for nm in result.near_misses
+                        for nm in (*result.near_misses, *pending)
                     )
                     if str(why) not in reasons and not same:
                         reasons.add(str(why))
-                        nm = NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes))
-                        result.near_misses.append(nm)
-                        log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), why)
+                        pending.append(NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes)))
                     continue
                 match = Match(pattern.name, replacement.variant or variant.name, found, replacement, graph_name)
                 result.matches.append(match)
                 log.debug("fuser: %s (%s) at %s", pattern.name, match.variant, match.where)
                 return match
+        for nm in pending:
+            result.near_misses.append(nm)
+            log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), nm.reason)
     return None
 
 

@@ -11,6 +11,7 @@ Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/L
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
-from fuser.patterns.base import HALF_DTYPES, Decline, Pattern, PostGradPass, Replacement, Variant, call_args
+from fuser.patterns.base import HALF_DTYPES, ArgExpr, Decline, Pattern, PostGradPass, Replacement, Variant, call_args
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -68,30 +69,93 @@ class LoraSumConfig:
 @dataclass(frozen=True)
 class LoraSumForm:
     round_term: bool  # the scaled LoRA term is rounded to the base dtype before the add, not the sum after it
+    autocast: bool = False  # the adapter's matmuls ran under autocast: the tree also holds lora_A and its upcast
 
 
 _TERM = Op("mul", Op("linear", V("a"), V("w"), None), S("scale"))
+# under autocast (``Trainer(bf16=True)``) peft's ``lora_B(lora_A(x.float()))`` leaves both matmuls to autocast, which
+# runs them in the half dtype on rounded copies of the fp32 adapter: the tree takes lora_A's linear and its upcast
+_AUTOCAST_TERM = Op("mul", Op("linear", Op("linear", Op("to", V("x"), C("upcast")), V("wa"), None), V("w"), None),
+                    S("scale"))  # fmt: skip
 VARIANTS = [
     # peft's Linear: the sum in fp32, then cast to the base dtype
     Variant("peft", Op("to", Op("add", V("base"), _TERM), C("dtype")), LoraSumForm(round_term=False)),
     # peft's bitsandbytes Linear4bit/8bit (QLoRA): the term cast to the base dtype, then added
     Variant("peft bitsandbytes", Op("add", V("base"), Op("to", _TERM, C("dtype"))), LoraSumForm(round_term=True)),
+    # peft's Linear under autocast: every value in the half dtype, the final cast a no-op
+    Variant(
+        "peft autocast",
+        Op("to", Op("add", V("base"), _AUTOCAST_TERM), C("dtype")),
+        LoraSumForm(round_term=False, autocast=True),
+    ),  # fmt: skip
 ]
+
+
+@dataclass(frozen=True)
+class UpcastLinearOf(ArgExpr):
+    """``fuser::upcast_linear(source, weight)``: lora_A's output in fp32, computed from the half input and the fp32
+    adapter as peft computes it without autocast (an autocast LoRA sum's ``a``)."""
+
+    source: torch.fx.Node
+    weight: torch.fx.Node
+    allow_triton: bool
+
+    def build(self, graph: torch.fx.Graph) -> torch.fx.Node:
+        call = graph.call_function(torch.ops.fuser.upcast_linear.default, (self.source, self.weight, None),
+                                   {"allow_triton": self.allow_triton})  # fmt: skip
+        x, w = tensor_meta(self.source), tensor_meta(self.weight)
+        call.meta["example_value"] = x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+        copy_source_meta(self.source, call)
+        return call
+
+
+def _autocast_adapter(found: Found) -> UpcastLinearOf:
+    """An autocast LoRA sum's ``a`` as the op takes it, fp32 (see :data:`_AUTOCAST_TERM`), or Decline.
+
+    Autocast computes ``lora_B(lora_A(x))`` from bf16 copies of ``x`` and of both fp32 adapters, rounding ``a``, the
+    product and the scaled term to bf16. The op computes them from the adapters themselves in fp32 and rounds the
+    sum once: the values of peft's graph without autocast, each rounding autocast makes made more precisely or not
+    at all; its gradients of the adapters are fp32 sums, where autocast's are bf16 matmuls cast to fp32."""
+    b = found.bindings
+    x, wa, w, base = (tensor_meta(b[k]) for k in ("x", "wa", "w", "base"))
+    linears = {canonical(n).args[1]: n for n in found.nodes if (c := canonical(n)) is not None and c.op == "linear"}
+    outs = (tensor_meta(linears.get(b["wa"])), tensor_meta(linears.get(b["w"])))
+    if x is None or wa is None or any(t is None for t in outs):
+        raise Decline("a value without shape or dtype metadata")
+    if x.dtype not in HALF_DTYPES or b["upcast"] != torch.float32:
+        raise Decline(f"lora_A reads a {x.dtype} input cast to {b['upcast']} (the op takes a half input made fp32)")
+    if wa.dtype != torch.float32 or wa.dim() != 2 or wa.shape[0] != w.shape[1]:
+        raise Decline(f"lora_A's weight {tuple(wa.shape)} of {wa.dtype}: not an fp32 adapter of lora_B's rank")
+    if any(t.dtype != base.dtype for t in outs):
+        raise Decline(
+            f"the adapter's matmuls return {outs[0].dtype} and {outs[1].dtype}, not the base's {base.dtype} "
+            "(an autocast dtype other than the base's)"
+        )
+    return UpcastLinearOf(b["x"], b["wa"], True)
 
 
 def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     """The op runs upcast_linear's Triton kernels: ``config.upcast_linear.triton`` switches both (its refinements
     carry ``allow_triton`` over to the ops they make)."""
     b = found.bindings
-    base, a, w, out = (tensor_meta(v) for v in (b["base"], b["a"], b["w"], found.root))
-    if base is None or a is None or w is None or out is None:
+    base, w, out = (tensor_meta(v) for v in (b["base"], b["w"], found.root))
+    if base is None or w is None or out is None:
         raise Decline("a value without shape or dtype metadata")
     if base.dtype not in HALF_DTYPES or b["dtype"] != base.dtype:
         raise Decline(f"the sum of a {base.dtype} base is cast to {b['dtype']} (the op returns the base's half dtype)")
-    if a.dtype != torch.float32 or w.dtype != torch.float32:
-        raise Decline(f"adapter of dtype {w.dtype} fed {a.dtype} (the op takes an fp32 adapter and input)")
     if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
         raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")
+    if variant.params.autocast:
+        adapter = dataclasses.replace(_autocast_adapter(found), allow_triton=config.upcast_linear.triton)
+        b = {**b, "a": adapter}
+        x = tensor_meta(adapter.source)
+        a = x.new_empty((*x.shape[:-1], w.shape[1]), dtype=torch.float32)
+    else:
+        a = tensor_meta(b["a"])
+        if a is None:
+            raise Decline("a value without shape or dtype metadata")
+    if a.dtype != torch.float32 or w.dtype != torch.float32:
+        raise Decline(f"adapter of dtype {w.dtype} fed {a.dtype} (the op takes an fp32 adapter and input)")
     if scalar_hint(b["scale"]) is None:  # a symbolic scale (another lora_alpha, recompiled) is passed as it is
         raise Decline(f"the LoRA scaling `{b['scale'].name}` is computed from data at run time")
     expected = (*a.shape[:-1], w.shape[0])
@@ -107,6 +171,7 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
         torch.ops.fuser.lora_sum.default,
         (b["base"], b["a"], b["w"], scale, round_term),
         kwargs={"allow_triton": config.upcast_linear.triton},
+        emits_also=("upcast_linear",) if variant.params.autocast else (),
     )
 
 
