@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -228,6 +229,123 @@ def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib
             return inner(*args, **kwargs)
 
     setattr(compiled, attribute, call)
+
+
+@contextlib.contextmanager
+def compiled_leaving_no_trace(target: Callable[..., Any], backend: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """``torch.compile(target, backend=backend)``, to be called inside the block; on exit Dynamo keeps nothing that
+    those calls compiled, and no other compile's limits or shapes are changed by them.
+
+    Dynamo stores what it compiles on the code objects it ran (transformers' forward wrapper is one code object
+    for every model of its class), and every entry there, whatever its backend, counts toward
+    ``torch._dynamo.config.recompile_limit`` for that code: one-off captures left in place make a later
+    ``fuser.optimize`` of the same class run eagerly. So:
+
+    - the calls compile into a recompile region of their own (``torch.compile(isolate_recompiles=True)``, where
+      this torch has it): while they exist their entries count toward no other compile's ``recompile_limit``
+      (only toward the per-code ``accumulated_recompile_limit``); their lookups reuse another compile's entries
+      only where its backend is ``backend``;
+    - on exit, each code object whose entries all came from ``backend`` has its cache reset (``reset_code``: no
+      entry left); where other compiles' entries share the code, ``backend``'s are invalidated instead (they stay
+      listed, never match again, and hold neither their code nor the backend);
+    - Dynamo's record of the shapes each code ran with (automatic dynamic shapes, ``torch._dynamo.pgo``), which
+      would make the next compile of that code dynamic from its first graph, is put back as it was.
+
+    ``backend`` must be an object no other compile uses: its entries are found by it. ``torch._dynamo.reset()``,
+    which would drop every compiled model in the process, is not called.
+    """
+    restore_shapes = _automatic_dynamic_snapshot()
+    isolate = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    try:
+        yield torch.compile(target, backend=backend, **({"isolate_recompiles": True} if isolate else {}))
+    finally:
+        remove_cache_entries_of(backend)
+        restore_shapes()
+
+
+def _automatic_dynamic_snapshot() -> Callable[[], None]:
+    """A function that puts Dynamo's automatic-dynamic record back as it is now (a no-op where torch keeps it
+    elsewhere). Initialising the record here is what Dynamo's first compile would do."""
+    try:
+        from torch._dynamo import pgo
+
+        state = pgo.get_code_state()
+    except (ImportError, AttributeError):
+        return lambda: None
+    saved = copy.deepcopy(dict(state))
+
+    def restore() -> None:
+        if getattr(pgo, "_CODE_STATE", None) is state:  # not replaced meanwhile (torch._dynamo.reset)
+            state.clear()
+            state.update(saved)
+
+    return restore
+
+
+def remove_cache_entries_of(backend: Callable[..., Any]) -> int:
+    """Remove Dynamo's cache entries compiled by ``backend`` from every code object Dynamo has run (see
+    :func:`compiled_leaving_no_trace`); returns how many were found. Nothing is removed where torch lacks these
+    private helpers."""
+    found = 0
+    for code in _dynamo_input_codes():
+        entries = _cache_entries(code)
+        ours = [entry for entry in entries if _entry_backend(entry) is backend]
+        if not ours:
+            continue
+        found += len(ours)
+        if len(ours) == len(entries):
+            torch._C._dynamo.eval_frame.reset_code(code)
+            continue
+        for entry in ours:
+            _invalidate_entry(entry)
+    return found
+
+
+def live_cache_entries(backend: Callable[..., Any] | None = None) -> dict[Any, int]:
+    """Code object → its cache entries that can still run (not invalidated), over every code Dynamo has run; only
+    ``backend``'s where given. Empty where torch lacks these private helpers."""
+    out: dict[Any, int] = {}
+    for code in _dynamo_input_codes():
+        live = [
+            entry
+            for entry in _cache_entries(code)
+            if getattr(entry, "code", None) is not None and (backend is None or _entry_backend(entry) is backend)
+        ]
+        if live:
+            out[code] = len(live)
+    return out
+
+
+def _dynamo_input_codes() -> list[Any]:
+    try:
+        from torch._dynamo import convert_frame
+    except ImportError:
+        return []
+    tracker = getattr(convert_frame, "input_codes", None)
+    return [code for ref in getattr(tracker, "seen", []) if (code := ref()) is not None]
+
+
+def _cache_entries(code: Any) -> list[Any]:
+    entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return list(entries(code)) if entries is not None else []
+
+
+def _entry_backend(entry: Any) -> Any:
+    """The backend a cache entry was compiled by: what ``torch.compile`` was given (it stores its own wrapper of
+    it, ``_TorchCompileWrapper.compiler_fn``); ``None`` for an invalidated entry."""
+    stored = getattr(entry, "backend", None)
+    return getattr(stored, "compiler_fn", stored)
+
+
+def _invalidate_entry(entry: Any) -> None:
+    """What Dynamo does to an entry whose guarded object died: it never matches again and drops its code."""
+    try:
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        guard_manager = entry.guard_manager
+        guard_manager.extra_state.invalidate(entry, DeletedGuardManagerWrapper("compiled by fuser.explain"))
+    except (ImportError, AttributeError, TypeError):  # another torch's signature: the entry stays (isolated)
+        return
 
 
 def dynamo_recompiling() -> bool:
