@@ -9,9 +9,11 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -346,6 +348,72 @@ def _invalidate_entry(entry: Any) -> None:
         guard_manager.extra_state.invalidate(entry, DeletedGuardManagerWrapper("compiled by fuser.explain"))
     except (ImportError, AttributeError, TypeError):  # another torch's signature: the entry stays (isolated)
         return
+
+
+class DynamoGaveUp(NamedTuple):
+    """A frame Dynamo stopped compiling and runs eagerly: ``cause`` is ``"recompile_limit"``,
+    ``"accumulated_recompile_limit"`` (the config option it reached) or ``"error"`` (a compile error it suppressed,
+    ``torch._dynamo.config.suppress_errors``); ``function`` names the code ("'forward' (file:line)"); ``detail`` is
+    Dynamo's reason in brief (the last guard failure, the error)."""
+
+    cause: str
+    function: str
+    detail: str
+
+
+# the logger Dynamo's frame conversion warns through when it gives up on a frame
+_CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+_WONT_CONVERT = re.compile(r"WON'T CONVERT (\S+) (.+?) line (\d+)")
+
+
+def _gave_up_from(record: logging.LogRecord) -> DynamoGaveUp | None:
+    """The give-up a record of Dynamo's frame conversion reports, from its format and arguments (Dynamo's own
+    wording, so it lives here); ``None`` for any other record."""
+    if not isinstance(record.msg, str):
+        return None
+    args = record.args if isinstance(record.args, tuple) else ()
+    if record.msg.startswith("torch._dynamo hit config.") and len(args) >= 4:
+        limit, value, function, reason = args[:4]
+        return DynamoGaveUp(str(limit), str(function), f"limit {value}; last reason: {reason}")
+    if record.msg.startswith("WON'T CONVERT"):
+        found = _WONT_CONVERT.match(record.getMessage())
+        function = f"'{found[1]}' ({found[2]}:{found[3]})" if found else "a frame"
+        error = record.exc_info[1] if record.exc_info else None
+        # the backend's own error, not Dynamo's wrapper of it (BackendCompilerFailed, whose text leads with the
+        # backend's repr)
+        error = getattr(error, "inner_exception", None) or error
+        detail = f"{type(error).__name__}: {error}" if error is not None else record.getMessage().splitlines()[-1]
+        return DynamoGaveUp("error", function, detail)
+    return None
+
+
+class _GiveUpCollector(logging.Handler):
+    """Collects the give-ups Dynamo logs in one thread (the thread that compiles a call is the one that made it)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.thread = threading.get_ident()
+        self.found: list[DynamoGaveUp] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread and (one := _gave_up_from(record)) is not None:
+            self.found.append(one)
+
+
+@contextlib.contextmanager
+def dynamo_give_ups() -> Iterator[list[DynamoGaveUp]]:
+    """A list that collects, while the block runs, each frame Dynamo gave up compiling in this thread and will run
+    eagerly (:class:`DynamoGaveUp`), as Dynamo warns of it through its logger (``torch._dynamo hit
+    config.recompile_limit``, ``WON'T CONVERT``). Dynamo makes these records only where that logger is enabled for
+    warnings (torch's default; ``TORCH_LOGS`` can turn it off). A graph break, or a frame skipped for an
+    unsupported construct, is not a give-up here: Dynamo logs those below warning level."""
+    collector = _GiveUpCollector()
+    logger = logging.getLogger(_CONVERT_FRAME_LOGGER)
+    logger.addHandler(collector)
+    try:
+        yield collector.found
+    finally:
+        logger.removeHandler(collector)
 
 
 def dynamo_recompiling() -> bool:
