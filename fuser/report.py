@@ -19,9 +19,10 @@ from fuser.tracing import tracing_context
 # what a report with no captured graph says: the two ways a model ends up running with nothing compiled
 NO_GRAPH_HINT = (
     "no graph was captured: the model has not run through fuser yet (its first call compiles), or Dynamo ran its "
-    "forward without compiling it. Dynamo logs why; one cause is 'hit config.recompile_limit' after one process "
-    "compiled many model classes through the same transformers forward wrapper: torch._dynamo.reset() between "
-    "models, or a higher torch._dynamo.config.recompile_limit, avoids it"
+    "forward without compiling it. Dynamo logs why, and fuser warns where it gave up in a call of what "
+    "optimize/optimize_ compiled; one cause is 'hit config.recompile_limit' after one process compiled many model "
+    "classes through the same transformers forward wrapper: torch._dynamo.reset() between models, or a higher "
+    "torch._dynamo.config.recompile_limit, avoids it"
 )
 
 
