@@ -8,9 +8,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
+import logging
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -228,6 +231,189 @@ def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib
             return inner(*args, **kwargs)
 
     setattr(compiled, attribute, call)
+
+
+@contextlib.contextmanager
+def compiled_leaving_no_trace(target: Callable[..., Any], backend: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """``torch.compile(target, backend=backend)``, to be called inside the block; on exit Dynamo keeps nothing that
+    those calls compiled, and no other compile's limits or shapes are changed by them.
+
+    Dynamo stores what it compiles on the code objects it ran (transformers' forward wrapper is one code object
+    for every model of its class), and every entry there, whatever its backend, counts toward
+    ``torch._dynamo.config.recompile_limit`` for that code: one-off captures left in place make a later
+    ``fuser.optimize`` of the same class run eagerly. So:
+
+    - the calls compile into a recompile region of their own (``torch.compile(isolate_recompiles=True)``, where
+      this torch has it): while they exist their entries count toward no other compile's ``recompile_limit``
+      (only toward the per-code ``accumulated_recompile_limit``); their lookups reuse another compile's entries
+      only where its backend is ``backend``;
+    - on exit, each code object whose entries all came from ``backend`` has its cache reset (``reset_code``: no
+      entry left); where other compiles' entries share the code, ``backend``'s are invalidated instead (they stay
+      listed, never match again, and hold neither their code nor the backend);
+    - Dynamo's record of the shapes each code ran with (automatic dynamic shapes, ``torch._dynamo.pgo``), which
+      would make the next compile of that code dynamic from its first graph, is put back as it was.
+
+    ``backend`` must be an object no other compile uses: its entries are found by it. ``torch._dynamo.reset()``,
+    which would drop every compiled model in the process, is not called.
+    """
+    restore_shapes = _automatic_dynamic_snapshot()
+    isolate = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    try:
+        yield torch.compile(target, backend=backend, **({"isolate_recompiles": True} if isolate else {}))
+    finally:
+        remove_cache_entries_of(backend)
+        restore_shapes()
+
+
+def _automatic_dynamic_snapshot() -> Callable[[], None]:
+    """A function that puts Dynamo's automatic-dynamic record back as it is now (a no-op where torch keeps it
+    elsewhere). Initialising the record here is what Dynamo's first compile would do."""
+    try:
+        from torch._dynamo import pgo
+
+        state = pgo.get_code_state()
+    except (ImportError, AttributeError):
+        return lambda: None
+    saved = copy.deepcopy(dict(state))
+
+    def restore() -> None:
+        if getattr(pgo, "_CODE_STATE", None) is state:  # not replaced meanwhile (torch._dynamo.reset)
+            state.clear()
+            state.update(saved)
+
+    return restore
+
+
+def remove_cache_entries_of(backend: Callable[..., Any]) -> int:
+    """Remove Dynamo's cache entries compiled by ``backend`` from every code object Dynamo has run (see
+    :func:`compiled_leaving_no_trace`); returns how many were found. Nothing is removed where torch lacks these
+    private helpers."""
+    found = 0
+    for code in _dynamo_input_codes():
+        entries = _cache_entries(code)
+        ours = [entry for entry in entries if _entry_backend(entry) is backend]
+        if not ours:
+            continue
+        found += len(ours)
+        if len(ours) == len(entries):
+            torch._C._dynamo.eval_frame.reset_code(code)
+            continue
+        for entry in ours:
+            _invalidate_entry(entry)
+    return found
+
+
+def live_cache_entries(backend: Callable[..., Any] | None = None) -> dict[Any, int]:
+    """Code object → its cache entries that can still run (not invalidated), over every code Dynamo has run; only
+    ``backend``'s where given. Empty where torch lacks these private helpers."""
+    out: dict[Any, int] = {}
+    for code in _dynamo_input_codes():
+        live = [
+            entry
+            for entry in _cache_entries(code)
+            if getattr(entry, "code", None) is not None and (backend is None or _entry_backend(entry) is backend)
+        ]
+        if live:
+            out[code] = len(live)
+    return out
+
+
+def _dynamo_input_codes() -> list[Any]:
+    try:
+        from torch._dynamo import convert_frame
+    except ImportError:
+        return []
+    tracker = getattr(convert_frame, "input_codes", None)
+    return [code for ref in getattr(tracker, "seen", []) if (code := ref()) is not None]
+
+
+def _cache_entries(code: Any) -> list[Any]:
+    entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return list(entries(code)) if entries is not None else []
+
+
+def _entry_backend(entry: Any) -> Any:
+    """The backend a cache entry was compiled by: what ``torch.compile`` was given (it stores its own wrapper of
+    it, ``_TorchCompileWrapper.compiler_fn``); ``None`` for an invalidated entry."""
+    stored = getattr(entry, "backend", None)
+    return getattr(stored, "compiler_fn", stored)
+
+
+def _invalidate_entry(entry: Any) -> None:
+    """What Dynamo does to an entry whose guarded object died: it never matches again and drops its code."""
+    try:
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        guard_manager = entry.guard_manager
+        guard_manager.extra_state.invalidate(entry, DeletedGuardManagerWrapper("compiled by fuser.explain"))
+    except (ImportError, AttributeError, TypeError):  # another torch's signature: the entry stays (isolated)
+        return
+
+
+class DynamoGaveUp(NamedTuple):
+    """A frame Dynamo stopped compiling and runs eagerly: ``cause`` is ``"recompile_limit"``,
+    ``"accumulated_recompile_limit"`` (the config option it reached) or ``"error"`` (a compile error it suppressed,
+    ``torch._dynamo.config.suppress_errors``); ``function`` names the code ("'forward' (file:line)"); ``detail`` is
+    Dynamo's reason in brief (the last guard failure, the error)."""
+
+    cause: str
+    function: str
+    detail: str
+
+
+# the logger Dynamo's frame conversion warns through when it gives up on a frame
+_CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+_WONT_CONVERT = re.compile(r"WON'T CONVERT (\S+) (.+?) line (\d+)")
+
+
+def _gave_up_from(record: logging.LogRecord) -> DynamoGaveUp | None:
+    """The give-up a record of Dynamo's frame conversion reports, from its format and arguments (Dynamo's own
+    wording, so it lives here); ``None`` for any other record."""
+    if not isinstance(record.msg, str):
+        return None
+    args = record.args if isinstance(record.args, tuple) else ()
+    if record.msg.startswith("torch._dynamo hit config.") and len(args) >= 4:
+        limit, value, function, reason = args[:4]
+        return DynamoGaveUp(str(limit), str(function), f"limit {value}; last reason: {reason}")
+    if record.msg.startswith("WON'T CONVERT"):
+        found = _WONT_CONVERT.match(record.getMessage())
+        function = f"'{found[1]}' ({found[2]}:{found[3]})" if found else "a frame"
+        error = record.exc_info[1] if record.exc_info else None
+        # the backend's own error, not Dynamo's wrapper of it (BackendCompilerFailed, whose text leads with the
+        # backend's repr)
+        error = getattr(error, "inner_exception", None) or error
+        detail = f"{type(error).__name__}: {error}" if error is not None else record.getMessage().splitlines()[-1]
+        return DynamoGaveUp("error", function, detail)
+    return None
+
+
+class _GiveUpCollector(logging.Handler):
+    """Collects the give-ups Dynamo logs in one thread (the thread that compiles a call is the one that made it)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.thread = threading.get_ident()
+        self.found: list[DynamoGaveUp] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread and (one := _gave_up_from(record)) is not None:
+            self.found.append(one)
+
+
+@contextlib.contextmanager
+def dynamo_give_ups() -> Iterator[list[DynamoGaveUp]]:
+    """A list that collects, while the block runs, each frame Dynamo gave up compiling in this thread and will run
+    eagerly (:class:`DynamoGaveUp`), as Dynamo warns of it through its logger (``torch._dynamo hit
+    config.recompile_limit``, ``WON'T CONVERT``). Dynamo makes these records only where that logger is enabled for
+    warnings (torch's default; ``TORCH_LOGS`` can turn it off). A graph break, or a frame skipped for an
+    unsupported construct, is not a give-up here: Dynamo logs those below warning level."""
+    collector = _GiveUpCollector()
+    logger = logging.getLogger(_CONVERT_FRAME_LOGGER)
+    logger.addHandler(collector)
+    try:
+        yield collector.found
+    finally:
+        logger.removeHandler(collector)
 
 
 def dynamo_recompiling() -> bool:

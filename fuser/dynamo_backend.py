@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,10 @@ class FuserBackend:
         self.compile_seconds = 0.0  # rewrite + inner compile of every graph so far (backward graphs compile later)
         self.breaks: list[GraphBreak] = []  # where each graph it compiled ended at a graph break, and why
         self._warned: set[str] = set()  # the once-per-backend warnings already given (_warn_once's keys)
+        # cause → what happened, for each way Dynamo gave up on code of a model compiled through this backend and
+        # ran it eagerly (_compat.DynamoGaveUp's causes), the first time for each; seen in the calls that optimize
+        # and optimize_ scope, not where torch.compile is given this backend directly
+        self.gave_up: dict[str, str] = {}
 
     @property
     def counts(self) -> dict[str, int]:
@@ -256,6 +261,40 @@ class FuserBackend:
                 self.results.remove(result)
             return self.compile_inner(gm, example_inputs)
 
+    @contextlib.contextmanager
+    def calls_scope(self) -> Iterator[None]:
+        """What each call of a model compiled through this backend by :func:`optimize` or :func:`optimize_` runs
+        inside: Dynamo's settings for tracing it (:func:`fuser.tracing.tracing_context`), and a watch for Dynamo
+        giving up on its code, which is otherwise a model that silently runs eagerly."""
+        with _compat.dynamo_give_ups() as gave_up:
+            try:
+                with tracing_context(self.config):
+                    yield
+            finally:
+                for one in gave_up:
+                    self._dynamo_gave_up(one)
+
+    def _dynamo_gave_up(self, one: _compat.DynamoGaveUp) -> None:
+        """Record that Dynamo gave up on code it was compiling through this backend, and say it once per cause,
+        with what to do."""
+        detail = one.detail if len(one.detail) <= 300 else one.detail[:300] + "..."
+        if one.cause == "error":
+            what = (
+                f"compiling {one.function} failed and Dynamo runs it eagerly (torch._dynamo.config.suppress_errors "
+                f"is on), so nothing in it is fused: {detail}. Set torch._dynamo.config.suppress_errors = False to "
+                "have the error raised with its traceback"
+            )
+        else:
+            what = (
+                f"Dynamo hit torch._dynamo.config.{one.cause} on {one.function} and runs that code eagerly from now "
+                f"on, so nothing in it is fused ({detail}). Every compile of a code object counts toward the limit, "
+                "whichever model or backend made it (transformers' forward wrapper is one code object for every "
+                f"model of a class): raise torch._dynamo.config.{one.cause}, or call torch._dynamo.reset() between "
+                "models"
+            )
+        self.gave_up.setdefault(one.cause, what)
+        self._warn_once(f"dynamo_gave_up:{one.cause}", f"fuser: {what}.")
+
     def _warn_ddp_buckets(self) -> None:
         """Once per backend: DDP hands fuser its graph in pieces, one per gradient bucket, and a block split
         between two pieces cannot be matched (and is not reported as declined: neither piece holds all of it)."""
@@ -338,21 +377,16 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
     methods that print at most once (``logger.warning_once``) while it traces, so they do not break the graph
     (``fuser/tracing.py``); their message is then not printed by compiled code. ``FuserConfig.checkpoint_side_effects``
     (default) likewise lets Dynamo trace a gradient-checkpointed layer that sets and restores Python state. Both are
-    scoped to these calls: Dynamo's global configuration is as it was outside them.
+    scoped to these calls: Dynamo's global configuration is as it was outside them. Where Dynamo gives up on the
+    model's code in a call (its recompile limit, a compile error it suppressed) and runs it eagerly, fuser warns
+    once per cause, with what to do (:meth:`FuserBackend.calls_scope`).
     """
     _check_module(model, "optimize")
     chosen = backend(config)
     _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
-    _scope_calls(compiled, chosen.config)
+    _compat.within_each_call(compiled, chosen.calls_scope)
     return compiled
-
-
-def _scope_calls(compiled: torch.nn.Module, config: FuserConfig) -> None:
-    """Make each call of ``compiled`` run inside :func:`fuser.tracing.tracing_context` where ``config`` sets
-    anything there."""
-    if config.ignore_logging or config.checkpoint_side_effects:
-        _compat.within_each_call(compiled, lambda: tracing_context(config))
 
 
 def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
@@ -363,8 +397,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     model they expect. Apply it to the model the trainer calls: after ``get_peft_model``, and to
     ``trainer.model`` when the trainer wraps the model itself (``SFTTrainer(peft_config=...)``).
 
-    ``FuserConfig.ignore_logging`` and ``checkpoint_side_effects`` apply to the model's compiled calls as in
-    :func:`optimize`.
+    ``FuserConfig.ignore_logging`` and ``checkpoint_side_effects``, and the warning where Dynamo gives up on the
+    model's code, apply to the model's compiled calls as in :func:`optimize`.
     """
     _check_module(model, "optimize_")
     if _compat.is_compiled_wrapper(model):
@@ -375,7 +409,7 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     chosen = backend(config)
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
-    _scope_calls(model, chosen.config)
+    _compat.within_each_call(model, chosen.calls_scope)
     return model
 
 

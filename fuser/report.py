@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,10 @@ from fuser.tracing import tracing_context
 # what a report with no captured graph says: the two ways a model ends up running with nothing compiled
 NO_GRAPH_HINT = (
     "no graph was captured: the model has not run through fuser yet (its first call compiles), or Dynamo ran its "
-    "forward without compiling it. Dynamo logs why; one cause is 'hit config.recompile_limit' after one process "
-    "compiled many model classes through the same transformers forward wrapper: torch._dynamo.reset() between "
-    "models, or a higher torch._dynamo.config.recompile_limit, avoids it"
+    "forward without compiling it. Dynamo logs why, and fuser warns where it gave up in a call of what "
+    "optimize/optimize_ compiled; one cause is 'hit config.recompile_limit' after one process compiled many model "
+    "classes through the same transformers forward wrapper: torch._dynamo.reset() between models, or a higher "
+    "torch._dynamo.config.recompile_limit, avoids it"
 )
 
 
@@ -142,8 +145,26 @@ class Report:
         return "\n".join(lines)
 
 
+# the capture of the explain call running in this thread (or task), which _capture_backend hands each graph to
+_CAPTURE: contextvars.ContextVar[Callable[[torch.fx.GraphModule, Any], Any] | None] = contextvars.ContextVar(
+    "fuser_explain_capture", default=None
+)
+
+
+def _capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """explain's Dynamo backend: one function for every call, so that no call leaves a backend of its own in
+    Dynamo's process-wide list of the backends it was given (each would keep its call's graphs alive), and so that
+    the cache entries explain compiled are found by it and removed (``_compat.compiled_leaving_no_trace``)."""
+    capture = _CAPTURE.get()
+    return capture(gm, example_inputs) if capture is not None else gm.forward
+
+
 def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs: Any) -> Report:
     """Run one forward of ``model(*args, **kwargs)`` under Dynamo (executed eagerly) and match every graph.
+
+    Nothing of the run stays compiled: the cache entries it made on the model's code (shared with every model of
+    its class, and counted toward ``torch._dynamo.config.recompile_limit``) are removed afterwards, so a later
+    ``fuser.optimize`` of the same class compiles as if explain had not run.
 
     It traces as :func:`fuser.optimize` does: with ``config.ignore_logging`` (default) the logging calls that print
     at most once do not break the graph (``fuser/tracing.py``).
@@ -173,8 +194,12 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
         return run
 
     messages_before = _compat.dynamo_graph_break_messages()
-    with tracing_context(config):
-        torch.compile(target, backend=capture)(*args, **kwargs)
+    token = _CAPTURE.set(capture)
+    try:
+        with tracing_context(config), _compat.compiled_leaving_no_trace(target, _capture_backend) as compiled:
+            compiled(*args, **kwargs)
+    finally:
+        _CAPTURE.reset(token)
     for message in _compat.dynamo_messages_since(messages_before):
         first = brief_dynamo_message(message)
         if "skip_fwd_side_effects_in_bwd_under_checkpoint" in message and first:

@@ -5,9 +5,10 @@
 
 The callback compiles nothing itself. At the start of training it shows fuser's log lines (one per compiled
 graph: what fused, how long it took) unless the Trainer's ``log_level`` asks for warnings only. After the first
-step it checks that the model the trainer calls went through fuser, and warns if nothing was compiled (the
-model was wrapped after ``optimize_``, e.g. by ``SFTTrainer(peft_config=...)``: apply ``optimize_`` to
-``trainer.model`` then), and warns where Dynamo gave up on a function of the model's own source files in that step
+step it checks that the model the trainer calls went through fuser, and warns if nothing was compiled, naming
+the cause: Dynamo gave up on the model's code (its recompile limit, as ``FuserBackend.gave_up`` recorded), or else
+the model was wrapped after ``optimize_``, e.g. by ``SFTTrainer(peft_config=...)`` (apply ``optimize_`` to
+``trainer.model`` then); and it warns where Dynamo gave up on a function of the model's own source files in that step
 and ran it eagerly (nothing in it fused; a library's function, such as TRL's chunked loss, is not the model's). Its
 first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs.
 """
@@ -71,19 +72,40 @@ class FuserCallback(TrainerCallback):
             return
         self._checked = True
         found = _backend_of(model)
-        if found is not None and not found.results:
+        if found is None:
+            return
+        skipped = self._skipped_frames(model)
+        if not found.results:
+            # nothing compiled: say why where Dynamo said it (it gave up on the model's code), else the usual cause
+            if found.gave_up:
+                warnings.warn(
+                    "fuser: the first training step compiled no graph through fuser: "
+                    + "; ".join(found.gave_up.values())
+                    + ".",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            elif not skipped:
+                warnings.warn(
+                    "fuser: the first training step compiled no graph through fuser: the trainer calls the model "
+                    "around the compiled module (it was wrapped after fuser.optimize_). Call "
+                    "fuser.optimize_(trainer.model) after building the trainer.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if skipped:
+            where = "; ".join(f"{name} ({path}:{line}): {why}" for (name, path, line), why in sorted(skipped.items()))
             warnings.warn(
-                "fuser: the first training step compiled no graph through fuser: the trainer calls the model "
-                "around the compiled module (it was wrapped after fuser.optimize_). Call "
-                "fuser.optimize_(trainer.model) after building the trainer.",
+                f"fuser: in the first training step Dynamo gave up on code of the model and ran it eagerly, so "
+                f"nothing in it was fused: {where}. fuser.explain(model, **batch) lists Dynamo's messages, and "
+                "TORCH_LOGS=graph_breaks shows the full reason.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if found is not None:
-            self._warn_eager_frames(model)
 
-    def _warn_eager_frames(self, model: torch.nn.Module) -> None:
-        """Warn once for the functions of the model's own source files that Dynamo ran eagerly in the first step."""
+    def _skipped_frames(self, model: torch.nn.Module) -> dict[tuple[str, str, int], str]:
+        """The functions of the model's own source files that Dynamo skipped (ran eagerly) since training began, each
+        with Dynamo's reason in brief."""
         files = set()
         for module in model.modules():
             try:
@@ -95,15 +117,7 @@ class FuserCallback(TrainerCallback):
             for frame in _compat.dynamo_skipped_frames(message):
                 if frame[1] in files:
                     skipped.setdefault(frame, brief_dynamo_message(message))
-        if skipped:
-            where = "; ".join(f"{name} ({path}:{line}): {why}" for (name, path, line), why in sorted(skipped.items()))
-            warnings.warn(
-                f"fuser: in the first training step Dynamo gave up on code of the model and ran it eagerly, so "
-                f"nothing in it was fused: {where}. fuser.explain(model, **batch) lists Dynamo's messages, and "
-                "TORCH_LOGS=graph_breaks shows the full reason.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        return skipped
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None, **kw: Any):
         found = _backend_of(model)

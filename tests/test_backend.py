@@ -291,3 +291,61 @@ def test_report_tells_a_recompile_from_a_graph_break():
     report = fuser.report(split)
     assert (report.graphs, report.recompiles, report.graph_breaks) == (4, 2, 1), str(report)
     assert len(report.breaks) == 1, str(report)  # the recompiled frame's break is not listed twice
+
+
+class _Relu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+def _relu_elsewhere(x):
+    return x.relu()
+
+
+def test_dynamo_giving_up_on_a_models_code_is_said_once_with_the_cause():
+    """Past ``recompile_limit`` Dynamo runs the code eagerly from then on, which only its log says: fuser warns,
+    once for the backend, naming the limit, the function and what to do, and records the cause on the backend
+    (``FuserCallback`` reads it). The same limit hit by a compile that is not fuser's says nothing."""
+    import warnings
+
+    config = fuser.FuserConfig(inner_compiler="eager")
+    model = _Relu()
+    compiled = fuser.optimize(model, config)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (2, 3, 4, 5):  # from the second size on Dynamo would compile again: past the limit of 1
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+        other = torch.compile(_relu_elsewhere, backend="eager")
+        with fuser._compat.dynamo_give_ups() as elsewhere:
+            for rows in (2, 3):
+                other(torch.randn(rows, 8))
+        assert [one.cause for one in elsewhere] == ["recompile_limit"]  # Dynamo gave up there too, unwatched
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fuser" in str(w.message)]
+    assert len(said) == 1, said
+    (message,) = said
+    assert "recompile_limit" in message and "'forward'" in message and "test_backend.py" in message, message
+    assert "raise torch._dynamo.config.recompile_limit" in message and "torch._dynamo.reset()" in message, message
+    assert list(fuser.backend(config).gave_up) == ["recompile_limit"]
+
+
+def test_a_compile_error_dynamo_suppressed_is_said_with_the_error(monkeypatch):
+    """With ``torch._dynamo.config.suppress_errors`` Dynamo swallows a failed compile and runs the code eagerly:
+    fuser says so, with the error."""
+    import warnings
+
+    def fail(self, gm, example_inputs):
+        raise RuntimeError("inner compiler broke")
+
+    monkeypatch.setattr(fuser.dynamo_backend.FuserBackend, "compile_inner", fail)
+    model = _Relu()
+    x = torch.randn(2, 8)
+    with torch._dynamo.config.patch(suppress_errors=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fuser.optimize(model, {"inner_compiler": "eager"})(x), model(x))
+    said = [str(w.message) for w in caught if "Dynamo runs it eagerly" in str(w.message)]
+    assert len(said) == 1 and "inner compiler broke" in said[0] and "suppress_errors" in said[0], said

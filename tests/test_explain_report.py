@@ -8,6 +8,8 @@ import re
 import torch
 
 import fuser
+import fuser.dynamo_backend
+from fuser import _compat
 from tests.models.tiny import N_LAYERS, batch, build
 
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -126,3 +128,75 @@ def test_a_graph_run_for_several_layers_counts_each_run_in_executed():
     assert report.executed == {"rms_norm_linear": 3}, str(report)
     assert len(report.runs) == len(report.matches) and sum(report.runs) == 3
     assert "run in the forward: rms_norm_linear=3" in str(report)
+
+
+EAGER = fuser.FuserConfig(inner_compiler="eager")
+
+
+def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, int]]:
+    """The loss of one forward+backward of ``model`` through ``fuser.optimize`` and what fused in it."""
+    loss = fuser.optimize(model, EAGER)(**batch()).loss
+    loss.backward()
+    return loss.detach(), fuser.report(model).counts
+
+
+def test_explain_leaves_nothing_compiled_that_a_later_optimize_runs_into():
+    """Each explain's capture used to stay in Dynamo's cache on the model's code (transformers' forward wrapper,
+    one code object for every model of the class), under a backend of its own, and counted toward
+    ``recompile_limit``: after as many explains as the limit, a fresh model of the class given to fuser.optimize
+    ran eagerly, fusing nothing and saying nothing. Now explain leaves no cache entry, and the fresh model compiles
+    and fuses as one that no explain preceded, with eager's loss."""
+    expected = _step(build("llama"))[1]
+    assert expected, "nothing fused even without explain"
+    torch._dynamo.reset()  # the baseline's own entries must not count toward the limit below
+    fuser.dynamo_backend._BACKENDS.clear()  # nor its graphs toward the counts
+
+    model = build("llama")
+    for _ in range(torch._dynamo.config.recompile_limit):
+        report = fuser.explain(model, **batch())
+        assert report.counts == expected, str(report)
+    left = _compat.live_cache_entries()  # on any code object Dynamo ran
+    loss, counts = _step(build("llama"))
+    assert counts == expected
+    assert left == {}, "explain left compiled entries"
+    assert fuser.report().recompiles == 0  # its first graphs are first compiles, not explain's again
+    torch.testing.assert_close(loss, build("llama")(**batch()).loss)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+
+
+def test_explain_after_optimize_removes_only_its_own_entries():
+    """On code that a compiled model shares, explain takes its own entries away and leaves the model's: the model
+    runs on without compiling again."""
+    model = _Scale()
+    compiled = fuser.optimize(model, EAGER)
+    compiled(torch.randn(3, 4))
+    before = _compat.live_cache_entries()
+    assert before
+    for rows in (3, 5):
+        fuser.explain(model, torch.randn(rows, 4))
+    assert _compat.live_cache_entries() == before
+    graphs = fuser.report(model).graphs
+    compiled(torch.randn(3, 4))
+    assert fuser.report(model).graphs == graphs
+
+
+def _double(x):
+    return x * 2
+
+
+def test_explain_leaves_no_shapes_that_make_the_next_compile_dynamic():
+    """Dynamo records the sizes each code ran with, and compiles a code dynamic from its first graph where the
+    record holds other sizes (automatic dynamic shapes): explain's sizes are not left in the record."""
+    fuser.explain(_double, torch.randn(3))
+    inputs = []
+
+    def record(gm, example_inputs):
+        inputs.extend(example_inputs)
+        return gm.forward
+
+    torch.compile(_double, backend=record)(torch.randn(4))
+    assert inputs and all(isinstance(x, torch.Tensor) and x.shape == (4,) for x in inputs), inputs

@@ -356,3 +356,21 @@ def test_callback_warns_where_dynamo_ran_the_models_code_eagerly(tmp_path):
     assert "modeling_llama.py" in message and "Unsafe side effect" in message, message
     torch._dynamo.reset()  # Dynamo keeps a frame it gave up on as skipped
     assert run(OPTIONS, tmp_path / "on") == []
+
+
+def test_callback_names_dynamos_recompile_limit_when_nothing_compiled(tmp_path):
+    """A model of a class that Dynamo compiled before with another backend, past ``recompile_limit`` (here 1: the
+    forward wrapper transformers shares across models holds that compile): Dynamo runs the trainer's model
+    eagerly. The callback names that cause, not a model wrapped after optimize_."""
+    with torch._dynamo.config.patch(recompile_limit=1):
+        ids = torch.tensor(token_rows()[:2])
+        torch.compile(tiny("llama"), backend="eager")(input_ids=ids, labels=ids)
+        model = fuser.optimize_(tiny("llama"), OPTIONS)
+        trainer = make_trainer("trainer", model, tmp_path / "limit", bf16=False, steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    said = [str(w.message) for w in caught if "first training step compiled no graph" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "recompile_limit" in said[0] and "torch._dynamo.reset()" in said[0], said[0]
+    assert "wrapped after" not in said[0], said[0]
