@@ -239,15 +239,17 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         if b["dropout_p"] != 0:
             raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
         _check_window_operands(q, k, v, enable_gqa, window)
-    if isinstance(memo[lq], str):
-        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
-            _check_runtime_variant(found)
-            return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa))
+    runtime = isinstance(memo[lq], str) and memo[lq].startswith(_INPUT_DEPENDENT)
+    if isinstance(memo[lq], str) and not (runtime and config.causal_attention.runtime_check):
         raise Decline(memo[lq])
+    if runtime:
+        _check_runtime_variant(found)
     if not enable_gqa and config.causal_attention.gqa_fold:
         k_kv, v_kv = _unrepeated(k), _unrepeated(v)
         if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
             k, v, enable_gqa = k_kv[0], v_kv[0], True
+    if runtime:
+        return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa), variant="runtime check")
     if window is not None:
         return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa), variant=f"window {window}")
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
