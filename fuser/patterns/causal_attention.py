@@ -58,6 +58,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from fuser._compat import statically_equal
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
 from fuser.kernels.window_attention import window_mask, window_sdpa
@@ -218,6 +219,9 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         raise Decline("query or key has fewer than 2 dims")
     lq, lk = qt.shape[-2], kt.shape[-2]
     if not isinstance(lq, int) or not isinstance(lk, int):
+        # the run-time check compares the mask itself with the causal one, whatever its length and origin
+        if config.causal_attention.runtime_check and statically_equal(lq, lk):
+            return _runtime_checked(found, config)
         raise Decline("the sequence length is symbolic (dynamic shapes): the mask is not evaluated")
     if lq != lk:
         raise Decline(f"query length {lq} differs from key length {lk} (is_causal is top-left aligned)")
@@ -239,20 +243,35 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         if b["dropout_p"] != 0:
             raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
         _check_window_operands(q, k, v, enable_gqa, window)
-    runtime = isinstance(memo[lq], str) and memo[lq].startswith(_INPUT_DEPENDENT)
-    if isinstance(memo[lq], str) and not (runtime and config.causal_attention.runtime_check):
+    if isinstance(memo[lq], str):
+        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
+            return _runtime_checked(found, config)
         raise Decline(memo[lq])
-    if runtime:
-        _check_runtime_variant(found)
-    if not enable_gqa and config.causal_attention.gqa_fold:
-        k_kv, v_kv = _unrepeated(k), _unrepeated(v)
-        if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
-            k, v, enable_gqa = k_kv[0], v_kv[0], True
-    if runtime:
-        return Replacement(causal_or_masked_sdpa, (q, k, v, mask, b["scale"], enable_gqa), variant="runtime check")
+    k, v, enable_gqa = _folded(k, v, enable_gqa, config)
     if window is not None:
         return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa), variant=f"window {window}")
     return Replacement(causal_sdpa, (q, k, v, float(b["dropout_p"]), b["scale"], enable_gqa))
+
+
+def _folded(k: Node, v: Node, enable_gqa: bool, config: FuserConfig) -> tuple[Node, Node, bool]:
+    """``(k, v, enable_gqa)`` as the rewritten call takes them: transformers' ``repeat_kv`` copies replaced by the
+    unexpanded k and v with ``enable_gqa=True`` where ``gqa_fold`` is on and both are exactly that expansion."""
+    if not enable_gqa and config.causal_attention.gqa_fold:
+        k_kv, v_kv = _unrepeated(k), _unrepeated(v)
+        if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
+            return k_kv[0], v_kv[0], True
+    return k, v, enable_gqa
+
+
+def _runtime_checked(found: Found, config: FuserConfig) -> Replacement:
+    """The call as :func:`causal_or_masked_sdpa`: sound for any bool mask of the query's length, since the branch
+    is chosen by comparing the mask's values on the device. k and v stay as given (no ``gqa_fold``): Inductor's
+    post-grad passes fail on a ``torch.cond`` whose branches take the unexpanded k and v ("A subgraph argument
+    other than striding has been modified")."""
+    _check_runtime_variant(found)
+    b = found.bindings
+    args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
+    return Replacement(causal_or_masked_sdpa, args, variant="runtime check")
 
 
 def _check_window_operands(q: Node, k: Node, v: Node, enable_gqa: bool, window: int) -> None:
@@ -325,6 +344,9 @@ def _check_runtime_variant(found: Found) -> None:
     mask_meta = tensor_meta(b["mask"])
     if mask_meta.dtype != torch.bool:
         raise Decline(f"a {mask_meta.dtype} mask from graph inputs (the run-time check takes bool masks)")
+    length = tensor_meta(b["q"]).shape[-2]
+    if mask_meta.dim() < 2 or not all(statically_equal(n, length) for n in mask_meta.shape[-2:]):
+        raise Decline(f"a mask of shape {tuple(mask_meta.shape)} for queries and keys of length {length}")
     if b["dropout_p"] != 0:
         raise Decline("a mask from graph inputs with dropout (the run-time check does not branch around dropout)")
     if any(n.op == "placeholder" and OUTER_VALUE in n.meta for n in found.root.graph.nodes):

@@ -277,6 +277,32 @@ def test_runtime_check_takes_the_branch_the_mask_calls_for(inner, gen):
     assert fuser.backend(config).counts == {"causal_attention": 1}
 
 
+def test_runtime_check_under_dynamic_lengths_fuses_and_takes_each_branch(gen):
+    """Over three lengths Dynamo compiles the first statically and then one graph with a symbolic sequence length;
+    that graph takes the run-time check too (the branch compares the mask's values, so its length need not be known
+    when compiling), and each branch computes what the masked call would."""
+    config = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, **RUNTIME_CHECK)
+    backend = fuser.backend(config)
+    compiled = torch.compile(padded, backend=backend)
+    for t, padding in ((12, 0), (20, 3), (28, 0)):
+        q, k, v = qkv(gen, t, t)
+        keep = torch.ones(B, t, dtype=torch.bool)
+        keep[1, :padding] = False
+        out = compiled(q, k, v, keep)
+        out.square().sum().backward()
+        grads = [x.grad.clone() for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        expected = padded(q, k, v, keep)
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for name, x, got in zip("qkv", (q, k, v), grads, strict=True):
+            torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-5, msg=f"t={t}: d{name}")
+    lengths = [m.found.bindings["q"].meta["example_value"].shape[-2] for r in backend.results for m in r.matches]
+    assert len(backend.results) == 2 and len(lengths) == 2, backend.report()
+    assert lengths[0] == 12 and not isinstance(lengths[1], int), lengths
+
+
 def test_runtime_check_calls_is_causal_only_for_the_causal_mask(gen, monkeypatch):
     """The device-side predicate is True for an all-ones padding mask and False once a key is padded (seen through
     a stand-in for torch.cond that records it and runs the branch it picks)."""
