@@ -82,16 +82,25 @@ class CausalAttentionConfig:
                     device at each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal.
     sliding_window: a mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's
                     window kernels (``fuser/kernels/window_attention.py``), which skip the blocks outside it.
+    block_sparse_masks:
+                    a bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``)
+                    runs on FlexAttention (fp16/bf16 on a CUDA GPU) with a block mask built from the mask's own
+                    values on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are
+                    skipped, the others masked element by element. No host synchronisation, no assumption about
+                    the mask. Elsewhere (CPU, fp32) the masked SDPA as written. ``runtime_check`` takes precedence.
     """
 
     gqa_fold: bool = True
     runtime_check: bool = False
     sliding_window: bool = True
+    block_sparse_masks: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")
 
 
+# the widest head block_sparse_sdpa gives FlexAttention (wider heads need more shared memory than its kernels get)
+MAX_FLEX_HEAD_DIM = 128
 # the largest sequence whose mask is evaluated at compile time (a T×T bool on the CPU: 4 GiB at 65536)
 MAX_EVALUATED_LENGTH = 65536
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
@@ -219,9 +228,11 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         raise Decline("query or key has fewer than 2 dims")
     lq, lk = qt.shape[-2], kt.shape[-2]
     if not isinstance(lq, int) or not isinstance(lk, int):
-        # the run-time check compares the mask itself with the causal one, whatever its length and origin
+        # the run-time check and the block mask read the mask's own values, whatever its length and origin
         if config.causal_attention.runtime_check and statically_equal(lq, lk):
             return _runtime_checked(found, config)
+        if config.causal_attention.block_sparse_masks and statically_equal(lq, lk):
+            return _block_sparse(found)
         raise Decline("the sequence length is symbolic (dynamic shapes): the mask is not evaluated")
     if lq != lk:
         raise Decline(f"query length {lq} differs from key length {lk} (is_causal is top-left aligned)")
@@ -246,6 +257,8 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     if isinstance(memo[lq], str):
         if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             return _runtime_checked(found, config)
+        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.block_sparse_masks:
+            return _block_sparse(found)
         raise Decline(memo[lq])
     k, v, enable_gqa = _folded(k, v, enable_gqa, config)
     if window is not None:
@@ -272,6 +285,48 @@ def _runtime_checked(found: Found, config: FuserConfig) -> Replacement:
     b = found.bindings
     args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
     return Replacement(causal_or_masked_sdpa, args, variant="runtime check")
+
+
+def _block_sparse(found: Found) -> Replacement:
+    """The call as :func:`block_sparse_sdpa` (``block_sparse_masks``): any bool mask of shape ``[T, T]``, ``[1 or B,
+    1, T, T]``, without dropout."""
+    b = found.bindings
+    mask, q = tensor_meta(b["mask"]), tensor_meta(b["q"])
+    what = "a mask from graph inputs"
+    if mask.dtype != torch.bool:
+        raise Decline(f"{what} of dtype {mask.dtype} (the block mask takes bool masks)")
+    if b["dropout_p"] != 0:
+        raise Decline(f"{what} with dropout (FlexAttention has none)")
+    if q.dim() != 4 or mask.dim() not in (2, 4) or (mask.dim() == 4 and mask.shape[1] != 1):
+        raise Decline(f"{what} of shape {tuple(mask.shape)} for a query of shape {tuple(q.shape)}")
+    if not all(statically_equal(n, q.shape[-2]) for n in mask.shape[-2:]):
+        raise Decline(f"{what} of shape {tuple(mask.shape)} for queries and keys of length {q.shape[-2]}")
+    if q.shape[-1] > MAX_FLEX_HEAD_DIM:
+        raise Decline(f"{what} with heads of {q.shape[-1]} (FlexAttention's kernels take up to {MAX_FLEX_HEAD_DIM})")
+    if mask.dim() == 4 and not (statically_equal(mask.shape[0], 1) or statically_equal(mask.shape[0], q.shape[0])):
+        raise Decline(f"{what} of batch {mask.shape[0]} for a query of batch {q.shape[0]}")
+    args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
+    return Replacement(block_sparse_sdpa, args, variant="block-sparse mask")
+
+
+def block_sparse_sdpa(query, key, value, mask, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask)`` (``mask`` bool, True = attend): on a
+    CUDA GPU in fp16/bf16 through FlexAttention, whose block mask is built from ``mask``'s values on the device, so
+    the blocks it hides entirely are never computed; elsewhere the masked call as written. A query row that the mask
+    hides entirely gets zeros from FlexAttention."""
+    usable = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    if not usable:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    allowed = mask if mask.dim() == 4 else mask[None, None]
+    batch, length = allowed.shape[0], query.shape[-2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[b, 0, q_idx, kv_idx]
+
+    block_mask = create_block_mask(mask_mod, batch, None, length, length, device=query.device)
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def _check_window_operands(q: Node, k: Node, v: Node, enable_gqa: bool, window: int) -> None:

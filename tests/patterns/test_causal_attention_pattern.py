@@ -22,6 +22,18 @@ from fuser.patterns import PATTERNS
 B, H, T, D = 2, 4, 16, 8
 STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
 RUNTIME_CHECK = {"causal_attention": {"runtime_check": True}}
+BLOCK_MASKS = fuser.FuserConfig(
+    patterns=("causal_attention",),
+    inner_compiler="aot_eager",
+    strict=True,
+    causal_attention={"block_sparse_masks": True},
+)
+WITHOUT_BLOCK_MASKS = fuser.FuserConfig(
+    patterns=("causal_attention",),
+    inner_compiler="aot_eager",
+    strict=True,
+    causal_attention={"block_sparse_masks": False},
+)
 
 
 def qkv(gen, t_q=T, t_k=T, dtype=torch.float32):
@@ -209,9 +221,12 @@ def test_padding_mask_from_the_batch_is_declined(gen):
 
     q, k, v = qkv(gen)
     keep = torch.ones(B, T, dtype=torch.bool)  # all ones today; its values are not known when compiling
-    report = fuser.explain(model, q, k, v, keep, config=STRICT)
+    report = fuser.explain(model, q, k, v, keep, config=WITHOUT_BLOCK_MASKS)
     assert report.counts == {}
     assert any("depends on the graph input" in nm.reason for nm in report.near_misses), str(report)
+    # with block_sparse_masks it runs on a block mask built from its values (FlexAttention on a GPU)
+    report = fuser.explain(model, q, k, v, keep, config=BLOCK_MASKS)
+    assert report.counts == {"causal_attention": 1} and report.matches[0].variant == "block-sparse mask", str(report)
 
 
 def test_unequal_lengths_and_is_causal_already_set(gen):
@@ -232,8 +247,8 @@ def test_unequal_lengths_and_is_causal_already_set(gen):
     assert report.counts == {} and report.near_misses == [], str(report)
 
 
-def test_dynamic_shapes_are_declined(gen):
-    backend = FuserBackend(STRICT)
+def test_dynamic_shapes_are_declined_without_block_masks(gen):
+    backend = FuserBackend(WITHOUT_BLOCK_MASKS)
     compiled = torch.compile(hf_5_17, backend=backend, dynamic=True)
     q, k, v = qkv(gen)
     out = compiled(q, k, v)
@@ -384,3 +399,49 @@ def test_gpu_causal_rewrites_through_inductor(runtime_check):
             for t, r in zip((q, k, v), ref, strict=True):
                 assert ((t.grad.float() - r).norm() / r.norm()).item() < 2e-2
     assert fuser.backend(config).counts == {"causal_attention": len(cases)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_block_sparse_masks_through_inductor(dtype):
+    """A mask from graph inputs on FlexAttention with a block mask from its values (``block_sparse_masks``, the
+    default), through Inductor at a real attention's widths: nothing padded, right padding and left padding, forward
+    and every gradient no further from an fp32 masked SDPA than the masked SDPA in ``dtype`` is (with 2x slack for
+    the other summation order: both are one rounding of the same fp32 sums), on every query row the mask leaves a
+    key (a row it hides entirely is a pad's, and the two kernels fill it differently)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = fuser.FuserConfig(
+        patterns=("causal_attention",), strict=True, causal_attention={"block_sparse_masks": True}
+    )
+    b, h, t, d = 2, 8, 1024, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    compiled = torch.compile(padded, backend=fuser.backend(config))
+    for case in ("nothing padded", "right padded", "left padded"):
+        keep = torch.ones(b, t, dtype=torch.bool, device="cuda")
+        if case == "right padded":
+            keep[1, 700:] = False
+        elif case == "left padded":
+            keep[1, :300] = False
+        rows = torch.ones(b, 1, t, 1, dtype=torch.bool, device="cuda")
+        if case == "left padded":
+            rows[1, :, :300] = False  # queries before the first real key see nothing
+        grad = torch.randn(b, h, t, d, device="cuda", dtype=dtype, generator=gen) * rows
+        results = {}
+        for name, fn, cast in (("fp32", padded, torch.float32), ("eager", padded, dtype), ("fuser", compiled, dtype)):
+            inputs = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+            out = fn(*inputs, keep)
+            out.backward(grad.to(cast))
+            results[name] = [out.detach(), *(x.grad for x in inputs)]
+        for i, what in enumerate(("out", "dq", "dk", "dv")):
+            keep_rows = rows if i == 0 else 1
+            ref = results["fp32"][i].double() * keep_rows
+            err = {n: rel_err(results[n][i].double() * keep_rows, ref) for n in ("eager", "fuser")}
+            print(f"block-sparse {dtype} {case} {what}: {err}")
+            assert err["fuser"] <= 2 * err["eager"] + 1e-6, f"{case} {what}: {err}"
+    assert fuser.backend(config).counts.get("causal_attention", 0) >= 1
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
