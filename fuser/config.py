@@ -98,7 +98,8 @@ class FuserConfig:
 
     linear_cross_entropy:  :class:`LinearCrossEntropyConfig` ``(dw_kernel="cublas", dw_accumulator="input",
                            streams=True)``: how the fused loss accumulates the lm_head's weight gradient.
-    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=True, runtime_check=False)``.
+    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=True, runtime_check=False, sliding_window=True,
+                           block_sparse_masks=False)``.
     gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True,
                            backward_writes_product=True)``, for swiglu and geglu.
     upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
