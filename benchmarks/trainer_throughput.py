@@ -35,6 +35,9 @@ Where one device call cannot hold every mode, run them in groups and make one ta
 
     python benchmarks/trainer_throughput.py --model llama3-8b --modes none,torch_compile --json a.json
     python benchmarks/trainer_throughput.py --combine a.json b.json --out r.md
+
+On the GPU machine (no network, no Liger-Kernel, TRL or Unsloth): ``benchmarks/fetch_wheels.sh`` here fetches
+their wheels into ``.whl/``, and ``benchmarks/gpu_trainer.sh`` there installs them and runs this script.
 """
 
 from __future__ import annotations
