@@ -1,12 +1,43 @@
-"""Tokens/s of a real ``transformers.Trainer`` run: no compile, ``torch_compile=True`` and ``fuser.optimize_``.
+"""Tokens/s of a fine-tuning job as users run it: ``transformers.Trainer`` or TRL's ``SFTTrainer``, with no
+compile, ``torch_compile=True``, Liger-Kernel, Unsloth, and ``fuser.optimize_`` side by side.
 
-A Llama-3-8B-shaped model cut to a few layers (random weights, bf16 base), peft LoRA r16 on every linear
-layer, ``Trainer(bf16=True)``, fixed-length random tokens. Each mode runs in its own process (``--all-modes``);
-the table reports the steady tokens/s (steps after the first ``--warmup``), the first step's time (compile),
-peak memory, and what fuser fused.
+The job: a public checkpoint's shapes (``--model``, a key of benchmarks/jobs.py ``MODELS``; random weights built
+on the GPU from the config, nothing downloaded; ``--layers`` cuts the depth), peft LoRA (jobs.py ``LORA`` over a
+bf16 base, with peft's default fp32 adapters) or full fine-tuning (fp32 master weights), ``bf16=True``,
+``optim="adamw_torch_fused"``, lr 1e-4 (LoRA) or 1e-5 (full), ``--batch`` rows of random token ids of fixed or
+random lengths (``--lengths fixed:2048``, ``uniform:512-2048``), padded by the trainer's own collator to a
+multiple of 64: ``DataCollatorForLanguageModeling(mlm=False)`` (labels -100 and attention_mask 0 at the pads)
+for ``--trainer trainer``; for ``--trainer sft``, SFTTrainer's collator over a ``datasets.Dataset`` of
+``input_ids``, with ``max_length`` the longest row and TRL's defaults otherwise (gradient checkpointing on, its
+own loss).
 
-    python benchmarks/trainer_throughput.py --all-modes --out benchmarks/results/trainer_h200.md
-    python benchmarks/trainer_throughput.py --mode fuser --layers 2 --steps 6     # one mode, printed as JSON
+Modes (``--modes``, comma-separated), each in its own process with fresh Inductor and Triton caches:
+
+- ``none``: no compile;
+- ``torch_compile``: ``TrainingArguments(torch_compile=True)``;
+- ``liger``: ``TrainingArguments(use_liger_kernel=True)``;
+- ``unsloth``: ``FastLanguageModel.from_pretrained`` over the same random weights saved to a local directory
+  (``HF_HUB_OFFLINE=1``), ``FastLanguageModel.get_peft_model`` with the same LoRA recipe, the same trainer;
+- ``fuser``: ``fuser.optimize_(model)`` and ``fuser.FuserCallback()``; ``--fuser-option NAME=VALUE`` sets a
+  ``FuserConfig`` option (``causal_attention.runtime_check=true``).
+
+Per mode: real (non-pad) tokens/s over the steps after the first ``--warmup`` (timed between device
+synchronisations), its ratio to torch_compile's, peak memory (``torch.cuda.max_memory_allocated`` from the
+trainer's start), the first step's time (compilation included), the first and last logged loss, and what fuser
+fused and recompiled. A mode that fails, runs out of memory, times out or is not installed is a row that says so.
+A markdown table (``--out``), one JSON line per mode, and every number (``--json``):
+
+    python benchmarks/trainer_throughput.py --model llama3-8b --method lora --lengths fixed:2048 --out r.md
+    python benchmarks/trainer_throughput.py --model gemma3-4b --lengths uniform:512-2048 --modes torch_compile,fuser
+    python benchmarks/trainer_throughput.py --tiny --lengths uniform:40-120 --modes none,fuser --steps 3 --warmup 1
+
+Where one device call cannot hold every mode, run them in groups and make one table of their ``--json`` files:
+
+    python benchmarks/trainer_throughput.py --model llama3-8b --modes none,torch_compile --json a.json
+    python benchmarks/trainer_throughput.py --combine a.json b.json --out r.md
+
+On the GPU machine (no network, no Liger-Kernel, TRL or Unsloth): ``benchmarks/fetch_wheels.sh`` here fetches
+their wheels into ``.whl/``, and ``benchmarks/gpu_trainer.sh`` there installs them and runs this script.
 """
 
 from __future__ import annotations
@@ -14,172 +45,285 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
-import time
+import tempfile
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
-from jobs import LORA, model_config
+from jobs import MODELS, TINY_FIELDS
+from train_step import run_child
+from train_step_timing import device_name, last_error_line
+from trainer_throughput_mode import LEARNING_RATE, PAD_TO_MULTIPLE_OF, Lengths, run_mode
 
-MODES = ("none", "torch_compile", "fuser")
-# Llama-3-8B, but with LlamaConfig's default rms_norm_eps (1e-6, not the checkpoint's 1e-5) and use_cache (True), as
-# results/trainer_llama3-8b_lora_h200_2026-12-01.md was measured
-FIELDS = dict(rms_norm_eps=1e-6, attn_implementation="sdpa")
+if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, rows: int, seq: int, vocab: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (rows, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
+MODES = ("none", "torch_compile", "liger", "unsloth", "fuser")
+VERSIONED = (
+    "torch", "triton", "transformers", "peft", "accelerate", "datasets", "trl", "liger-kernel", "unsloth",
+    "unsloth_zoo",
+)  # fmt: skip
+# what makes two runs' rows one table (--combine)
+SETUP_KEYS = ("model", "layers", "tiny", "method", "trainer", "lengths", "seed", "batch", "steps", "warmup")
+SETUP_KEYS += ("gradient_checkpointing", "fuser_option")
 
 
-def run_mode(mode: str, layers: int, steps: int, batch: int, seq: int, warmup: int, out_dir: str) -> dict:
-    import peft
-    import transformers
-
-    class StepTimes(transformers.TrainerCallback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.start = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            if not self.start:
-                torch.cuda.synchronize()
-                self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            torch.cuda.synchronize()
-            self.ends.append(time.perf_counter())
-
-    config = model_config("llama3-8b", num_hidden_layers=layers, **FIELDS)
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # random init on the GPU: seconds instead of a minute on the host
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
-    callbacks = [StepTimes()]
-    if mode == "fuser":
-        import fuser
-
-        fuser.optimize_(model)
-        callbacks.append(fuser.FuserCallback())
-    args = transformers.TrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        learning_rate=1e-4,
-        bf16=True,
-        torch_compile=mode == "torch_compile",
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        optim="adamw_torch_fused",
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b", choices=sorted(MODELS), help="a key of jobs.MODELS")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the checkpoint's)")
+    parser.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, vocab 512: a CPU smoke test")
+    parser.add_argument("--method", choices=["lora", "full"], default="lora")
+    parser.add_argument("--trainer", choices=["trainer", "sft"], default="trainer")
+    parser.add_argument("--lengths", default="fixed:2048", help="fixed:N or uniform:LOW-HIGH tokens a row")
+    parser.add_argument("--seed", type=int, default=0, help="weights, row lengths and token ids")
+    parser.add_argument("--batch", type=int, default=4, help="rows per step (per_device_train_batch_size)")
+    parser.add_argument("--steps", type=int, default=20, help="max_steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (default 5)")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="non-reentrant; default off for Trainer, TRL's default (on) for SFTTrainer; Unsloth's own when on",
     )
-    trainer = transformers.Trainer(
-        model=model,
-        args=args,
-        train_dataset=RandomTokens(batch * steps, seq, config.vocab_size),
-        callbacks=callbacks,
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated (default all)")
+    parser.add_argument(
+        "--fuser-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a FuserConfig option for the fuser mode, repeatable: causal_attention.runtime_check=true",
     )
-    torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    times = callbacks[0]
-    steady = times.ends[warmup:]
-    per_step = (steady[-1] - times.ends[warmup - 1]) / len(steady) if len(steady) >= 1 else float("nan")
-    result = {
-        "mode": mode,
-        "tokens_per_s": batch * seq / per_step,
-        "first_step_s": times.ends[0] - times.start,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "losses": [float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
-    }
-    if mode == "fuser":
-        import fuser
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed to each mode's process")
+    parser.add_argument("--out", type=Path, help="write the markdown table here too")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--mode", choices=MODES, help="run one mode in this process (what each mode's process runs)")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="JSON", help="one table from earlier --json files")
+    args = parser.parse_args(argv)
+    args.modes = args.modes.split(",")
+    if unknown := sorted(set(args.modes) - set(MODES)):
+        parser.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    try:
+        Lengths.parse(args.lengths)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.steps <= args.warmup or args.warmup < 0:
+        parser.error("--steps must exceed --warmup (≥ 0): tokens/s counts the steps after the warm-up")
+    return args
 
-        result["fused"] = fuser.report(model).counts
-    return result
+
+def setup_of(args: argparse.Namespace) -> dict[str, Any]:
+    setup = {key: getattr(args, key) for key in SETUP_KEYS}
+    setup["layers"] = args.layers or (TINY_FIELDS["num_hidden_layers"] if args.tiny else MODELS[args.model].layers)
+    if args.trainer == "trainer" and args.gradient_checkpointing is None:
+        setup["gradient_checkpointing"] = False  # Trainer's default; SFTTrainer's is its own (on)
+    return setup
 
 
-def versions() -> str:
-    names = ("torch", "transformers", "peft", "accelerate", "triton")
-    out = []
-    for name in names:
+def versions() -> dict[str, str]:
+    found = {}
+    for name in VERSIONED:
         try:
-            out.append(f"{name} {importlib.metadata.version(name)}")
+            found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    return ", ".join(out)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    if commit:
+        found["fuser"] = f"commit {commit}"
+    return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=MODES)
-    parser.add_argument("--all-modes", action="store_true")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    shape = ["--layers", str(args.layers), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    shape += ["--batch", str(args.batch), "--seq", str(args.seq)]
-    if not args.all_modes:
-        result = run_mode(args.mode, args.layers, args.steps, args.batch, args.seq, args.warmup, "/tmp/trainer_bench")
-        print("RESULT " + json.dumps(result))
-        return
-    results = []
-    for mode in MODES:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--mode", mode, *shape], capture_output=True, text=True, check=False
-        )
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            results.append({"mode": mode, "error": " | ".join(tail)})
-        else:
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-    base = next((r["tokens_per_s"] for r in results if r["mode"] == "torch_compile" and "error" not in r), None)
-    rows = [
-        f"# Trainer throughput: Llama-3-8B shapes, {args.layers} layers, LoRA r16 all-linear, Trainer(bf16=True)",
-        "",
-        f"Command: `python benchmarks/trainer_throughput.py --all-modes {shlex.join(shape)}`  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  ",
-        f"GPU: {torch.cuda.get_device_name()}  ",
-        f"Versions: {versions()}  ",
-        f"Batch {args.batch}×{args.seq} tokens, {args.steps} steps, tokens/s over the steps after the first "
-        f"{args.warmup}; each mode in its own process.",
-        "",
-        "| mode | tokens/s | ÷ torch_compile | first step s | peak GiB | losses (first, last) |",
-        "|---|---:|---:|---:|---:|---|",
+def not_runnable(args: argparse.Namespace, mode: str) -> str | None:
+    """Why ``mode`` cannot start here (a package it needs is not installed), or None."""
+    if args.trainer == "sft" and importlib.util.find_spec("trl") is None:
+        return "trl (for SFTTrainer)"
+    if mode == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        return "liger_kernel"
+    return None
+
+
+def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--json", str(json_path)]
+    cmd += ["--model", args.model, "--method", args.method, "--trainer", args.trainer, "--lengths", args.lengths]
+    for flag in ("seed", "batch", "steps", "warmup", "layers"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.gradient_checkpointing is not None:
+        cmd.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
+    for option in args.fuser_option:
+        cmd += ["--fuser-option", option]
+    return cmd
+
+
+def run_one(args: argparse.Namespace) -> int:
+    """``--mode``: this process runs it and writes its record to ``--json``."""
+    result: dict[str, Any] = {"mode": args.mode, "status": "error"}
+    try:
+        run_mode(args, result)
+    except torch.OutOfMemoryError as error:
+        result.update(status="OOM", error=last_error_line(str(error)))
+    except (Exception, SystemExit) as error:  # SystemExit too (a script-style import failure): the row says so
+        traceback.print_exc()
+        result.update(status="error", error=last_error_line(f"{type(error).__name__}: {error}"))
+    if torch.cuda.is_available():
+        result.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30)
+    if args.json:
+        args.json.write_text(json.dumps(result))
+    return 0 if result["status"] == "ok" else 1
+
+
+def run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="trainer_throughput_") as tmp:
+        for mode in args.modes:
+            if reason := not_runnable(args, mode):
+                print(f"[{mode}] {reason}", file=sys.stderr)
+                results[mode] = {"mode": mode, "status": "not installed", "error": reason}
+                continue
+            json_path = Path(tmp) / f"{mode}.json"
+            env = dict(os.environ, HF_HUB_OFFLINE="1")  # nothing is downloaded; Unsloth would try
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / mode / "inductor")  # compiles as a first run does
+            env["TRITON_CACHE_DIR"] = str(Path(tmp) / mode / "triton")
+            cmd = child_command(args, mode, json_path)
+            print(f"[{mode}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            rc, output = run_child(cmd, env, args.timeout)
+            result = json.loads(json_path.read_text()) if json_path.exists() else {"mode": mode}
+            if rc is None:
+                result.update(status="timeout", error=f"killed after {args.timeout:g} s")
+            elif result.get("status") not in ("ok", "OOM"):
+                result.update(
+                    status=result.get("status", "crashed"), error=result.get("error") or last_error_line(output)
+                )
+            results[mode] = result
+    return results
+
+
+def describe(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The table's title and its setup line."""
+    method = "LoRA r16 on every linear layer, bf16 base, fp32 adapters" if setup["method"] == "lora" else (
+        "full fine-tune, fp32 master weights under bf16 autocast"
+    )  # fmt: skip
+    trainer = "TRL SFTTrainer" if setup["trainer"] == "sft" else "transformers.Trainer"
+    model = f"{setup['model']}{' (--tiny)' if setup['tiny'] else ''} shapes, {setup['layers']} layers"
+    title = f"Trainer throughput: {model}, {method}, {trainer}"
+    lengths = Lengths.parse(setup["lengths"])
+    collator = "SFTTrainer's collator" if setup["trainer"] == "sft" else "DataCollatorForLanguageModeling(mlm=False)"
+    real = [sum(r["real_tokens"]) / sum(r["padded_tokens"]) for r in results.values() if r.get("padded_tokens")]
+    padding = f"; real tokens {100 * real[0]:.1f}% of the padded batches" if real and real[0] < 1 else ""
+    checkpointing = {True: "on (non-reentrant)", False: "off", None: "SFTTrainer's default"}[
+        setup["gradient_checkpointing"]
     ]
-    for r in results:
-        if "error" in r:
-            rows.append(f"| {r['mode']} | error: {r['error']} | | | | |")
+    timed = setup["steps"] - setup["warmup"]
+    text = (
+        f"batch {setup['batch']} rows; {lengths.describe(setup['seed'])}, random token ids, padded by {collator} "
+        f"to a multiple of {PAD_TO_MULTIPLE_OF}{padding}; bf16=True, optim adamw_torch_fused, "
+        f"lr {LEARNING_RATE[setup['method']]:.0e}; gradient checkpointing {checkpointing}; "
+        f"{setup['steps']} steps, tokens/s (real tokens only) over the last {timed}; each mode in its own process "
+        "with fresh Inductor and Triton caches"
+    )
+    if setup["fuser_option"]:
+        text += f"; fuser options {', '.join(setup['fuser_option'])}"
+    return title, text
+
+
+def report(record: dict[str, Any]) -> str:
+    setup, results = record["setup"], record["modes"]
+    title, setup_line = describe(setup, results)
+    base = results.get("torch_compile", {})
+    base_tps = base.get("tokens_per_s") if base.get("status") == "ok" else None
+    rows = []
+    for mode, r in results.items():
+        if r.get("status") != "ok":
+            rows.append([mode, f"{r.get('status', 'crashed')}: {r.get('error', '')}".replace("|", "/"), *[""] * 6])
             continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "–"
-        losses = f"{r['losses'][0]:.4f}, {r['losses'][-1]:.4f}" if r["losses"] else ""
-        rows.append(
-            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['first_step_s']:.1f} | {r['peak_gib']:.1f} "
-            f"| {losses} |"
-        )
-    fused = next((r.get("fused") for r in results if r.get("fused")), None)
-    rows += ["", f"fuser fused: {fused}"]
-    text = "\n".join(rows)
+        losses = r.get("losses") or []
+        notes = []
+        if r.get("fuser_counts") is not None:
+            notes.append(", ".join(f"{k}={v}" for k, v in sorted(r["fuser_counts"].items())) or "nothing fused")
+            notes.append(f"{r.get('fuser_recompiles', 0)} recompiles, {r.get('fuser_graph_breaks', 0)} graph breaks")
+        rows.append([
+            mode,
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s'] / base_tps:.2f}" if base_tps else "–",
+            f"{r['peak_gib']:.1f}" if "peak_gib" in r else "–",
+            f"{r['first_step_s']:.1f}",
+            f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "–",
+            "on" if r.get("gradient_checkpointing") else "off",
+            "; ".join(notes),
+        ])  # fmt: skip
+    columns = ["mode", "real tokens/s", "÷ torch_compile", "peak GiB", "first step s", "loss first → last"]
+    columns += ["checkpointing", "fused (fuser)"]
+    align = ["---", "---:", "---:", "---:", "---:", "---", "---", "---"]
+    table = [columns, align, *rows]
+    version_line = ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+    return (
+        f"# {title}\n\n"
+        f"- command: `{record['command']}`\n"
+        f"- date: {record['date']}\n"
+        f"- device: {record['device']}\n"
+        f"- versions: {version_line}\n"
+        f"- setup: {setup_line}\n\n" + "".join("| " + " | ".join(row) + " |\n" for row in table)
+    )
+
+
+def combine(paths: list[Path]) -> dict[str, Any]:
+    records = [json.loads(p.read_text()) for p in paths]
+    first = records[0]
+    for path, record in zip(paths[1:], records[1:], strict=True):
+        if record["setup"] != first["setup"]:
+            raise SystemExit(f"trainer_throughput: {path} ran another setup than {paths[0]}: {record['setup']}")
+    modes = {mode: r for record in records for mode, r in record["modes"].items()}
+    return {
+        **first,
+        "command": "; ".join(dict.fromkeys(r["command"] for r in records)),
+        "date": ", ".join(dict.fromkeys(r["date"] for r in records)),
+        "device": ", ".join(dict.fromkeys(r["device"] for r in records)),
+        "modes": {m: modes[m] for m in MODES if m in modes},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.mode:
+        return run_one(args)
+    if args.combine:
+        record = combine(args.combine)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        record = {
+            "command": shlex.join(
+                ["python", "benchmarks/trainer_throughput.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": device_name(device),
+            "versions": versions(),
+            "setup": setup_of(args),
+            "modes": run_all(args),
+        }
+    text = report(record)
     print(text)
+    for result in record["modes"].values():
+        print(json.dumps({k: v for k, v in result.items() if k not in ("real_tokens", "padded_tokens")}))
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0 if all(r.get("status") in ("ok", "not installed") for r in record["modes"].values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
