@@ -402,8 +402,9 @@ def test_gpu_causal_rewrites_through_inductor(runtime_check):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_block_sparse_masks_through_inductor(dtype):
+def test_gpu_block_sparse_masks_through_inductor(dtype, head_dim, monkeypatch):
     """A mask from graph inputs on FlexAttention with a block mask from its values (``block_sparse_masks``, the
     default), through Inductor at a real attention's widths: nothing padded, right padding and left padding, forward
     and every gradient no further from an fp32 masked SDPA than the masked SDPA in ``dtype`` is (with 2x slack for
@@ -414,7 +415,8 @@ def test_gpu_block_sparse_masks_through_inductor(dtype):
     config = fuser.FuserConfig(
         patterns=("causal_attention",), strict=True, causal_attention={"block_sparse_masks": True}
     )
-    b, h, t, d = 2, 8, 1024, 128
+    b, h, t, d = 2, 8, 1024, head_dim
+    monkeypatch.setattr(module, "MAX_FLEX_HEAD_DIM", max(module.MAX_FLEX_HEAD_DIM, head_dim))  # is 256 usable?
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
     compiled = torch.compile(padded, backend=fuser.backend(config))
@@ -438,7 +440,7 @@ def test_gpu_block_sparse_masks_through_inductor(dtype):
             keep_rows = rows if i == 0 else 1
             ref = results["fp32"][i].double() * keep_rows
             err = {n: rel_err(results[n][i].double() * keep_rows, ref) for n in ("eager", "fuser")}
-            print(f"block-sparse {dtype} {case} {what}: {err}")
+            print(f"block-sparse {dtype} d={d} {case} {what}: {err}")
             assert err["fuser"] <= 2 * err["eager"] + 1e-6, f"{case} {what}: {err}"
     assert fuser.backend(config).counts.get("causal_attention", 0) >= 1
 
