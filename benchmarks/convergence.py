@@ -4,7 +4,13 @@ Every run trains a copy of the same initial weights on the same data, in the sam
 for ``--steps`` steps:
 
     eager-fp32 (the reference), eager-bf16, inductor-bf16, fuser-bf16   (the default on CUDA, and with --preset)
+    eager-fp32, eager-amp, inductor-amp, fuser-amp                      (the default with an autocast preset)
     eager-fp32, fuser-fp32                                              (the default on a CPU without --preset)
+
+The ``*-amp`` runs train as ``transformers.Trainer(bf16=True)`` does: the forward and its loss inside
+``torch.autocast(device, dtype=torch.bfloat16)``, the backward and AdamW outside it; LoRA on the bf16 base with
+peft's fp32 adapters, a full fine-tune on fp32 weights (fp32 master weights and AdamW states, the forward's matmuls
+in bf16). The fp32 reference is the same in every case: eager fp32, no autocast.
 
 Further runs (``--runs``): ``inductor-fp32``; ``inductor-bf16-emulate`` (Inductor with
 ``torch._inductor.config.emulate_precision_casts = True``: it then rounds where eager rounds); and any fuser run
@@ -22,14 +28,18 @@ Two kinds of model and data:
   ``--layers`` of them, random init) or ``cpu-small`` / ``cpu-tiny`` (CPU-sized Llamas that show issue 16;
   cpu-tiny is the CI test's), and by default ``--data fixed``: one seeded batch of random tokens, repeated every
   step (the loss can only fall by learning that batch, so the drop measures how much of each update shows).
+  The autocast presets ``llama3-8b-amp``, ``qwen3-8b-amp`` (LoRA), ``llama32-1b-amp`` (full fine-tune) and
+  ``cpu-tiny-amp`` (the CI test's) are the same recipes with the ``*-amp`` runs; ``--lr`` overrides a preset's
+  learning rate (the LoRA ones are run at 1e-5 and 2e-4), ``--runs`` its runs, ``--methods`` its method.
 
-Each method (``--methods``): LoRA (peft, r 16, alpha 32, all linear layers, peft's init: B = 0, A the same
-seeded values in every run; adapters in fp32 as peft keeps them under a bf16 base) or a full fine-tune (bf16 runs
-train the bf16 weights themselves, as ``model.to(bf16)`` + AdamW does: no fp32 master copy, so small updates of
-large weights round away in every bf16 run alike). bf16 runs are ``model.to(bfloat16)`` of the fp32 initial
-weights, and the fp32 reference starts from those same bf16-rounded values. After each run the trained adapters
-(or weights) are copied into the fp32 model and its loss on the first batch is computed in fp32 eager: the
-"fp32-evaluated" loss, which shows what the run learned, apart from how it computed its own losses.
+Each method (``--methods``): LoRA (peft, r 16, alpha 32, all linear layers, peft's init: B = 0, A the same seeded
+values in every run; adapters in fp32 as peft keeps them under a bf16 base) or a full fine-tune (bf16 runs train the
+bf16 weights themselves, as ``model.to(bf16)`` + AdamW does: no fp32 master copy, so small updates of large weights
+round away in every bf16 run alike; ``*-amp`` runs keep fp32 weights). bf16 runs (and the ``*-amp`` runs' bf16 LoRA
+base) are ``model.to(bfloat16)`` of the fp32 initial weights, and the fp32 reference (and a full fine-tune's fp32
+weights under autocast) starts from those same bf16-rounded values. After each run the trained adapters (or weights)
+are copied into the fp32 model and its loss on the first batch is computed in fp32 eager: the "fp32-evaluated" loss,
+which shows what the run learned, apart from how it computed its own losses.
 
 Per model and method the report has, per run: the loss drop over the run (first loss − last loss), its ratio to
 the fp32 reference's drop, max over steps |loss − fp32 loss|, the fp32-evaluated loss and how much of fp32's
@@ -37,12 +47,13 @@ learning it shows; then the losses of the steps. The checks, with no fixed slack
 
 - fuser bf16 (issue 16): max |fuser − fp32| ≤ max |inductor − fp32|, and where Inductor's drop is within 10 % of
   fp32's, fuser's is too (needs ``inductor-bf16`` among the runs; fuser runs with options are reported against
-  the same rule as diagnostics and do not decide PASS);
+  the same rule as diagnostics and do not decide PASS); the same rule holds ``fuser-amp`` to ``inductor-amp``;
 - fuser fp32: at every step |fuser fp32 − eager fp32| ≤ 1e-4 · |eager fp32|.
 
     python benchmarks/convergence.py --out benchmarks/results/convergence.md [--models llama] [--methods lora]
     python benchmarks/convergence.py --device cpu --steps 20                      # fp32 runs, a few minutes
     python benchmarks/convergence.py --preset llama3-8b --layers 4 --out report.md     # issue 16's recipe (GPU)
+    python benchmarks/convergence.py --preset llama3-8b-amp --lr 2e-4 --out report.md  # the same under autocast
     python benchmarks/convergence.py --preset cpu-tiny --device cpu --threads 1 --seeds 0,1,2 \\
         --runs eager-fp32,eager-bf16,inductor-bf16,fuser-bf16,fuser-bf16:patterns=-lora_sum,-swiglu
     python benchmarks/convergence.py --from-json llama.json qwen3.json --out report.md   # one report, one plot
@@ -57,6 +68,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -79,20 +91,29 @@ if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pi
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
 CONFIGS = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "gemma": "GemmaConfig"}
-RUNS = {  # name: (how it runs, dtype)
-    "eager-fp32": ("eager", torch.float32),
-    "eager-bf16": ("eager", torch.bfloat16),
-    "inductor-bf16": ("inductor", torch.bfloat16),
-    "fuser-bf16": ("fuser", torch.bfloat16),
-    "inductor-fp32": ("inductor", torch.float32),
-    "fuser-fp32": ("fuser", torch.float32),
-    "inductor-bf16-emulate": ("inductor-emulate", torch.bfloat16),
+RUNS = {  # name: (how it runs, dtype, forward under bf16 autocast)
+    "eager-fp32": ("eager", torch.float32, False),
+    "eager-bf16": ("eager", torch.bfloat16, False),
+    "inductor-bf16": ("inductor", torch.bfloat16, False),
+    "fuser-bf16": ("fuser", torch.bfloat16, False),
+    "inductor-fp32": ("inductor", torch.float32, False),
+    "fuser-fp32": ("fuser", torch.float32, False),
+    "inductor-bf16-emulate": ("inductor-emulate", torch.bfloat16, False),
+    # as Trainer(bf16=True) trains: the forward and its loss under torch.autocast(bfloat16), the backward and AdamW
+    # outside it; LoRA on the bf16 base (peft's fp32 adapters), a full fine-tune on fp32 weights (fp32 master
+    # weights and AdamW states), so the dtype here is the LoRA base's
+    "eager-amp": ("eager", torch.bfloat16, True),
+    "inductor-amp": ("inductor", torch.bfloat16, True),
+    "fuser-amp": ("fuser", torch.bfloat16, True),
 }
 REFERENCE = "eager-fp32"
 DEFAULT_RUNS = {
     "cuda": ["eager-fp32", "eager-bf16", "inductor-bf16", "fuser-bf16"],
     "cpu": ["eager-fp32", "fuser-fp32"],
 }
+AUTOCAST_RUNS = ["eager-fp32", "eager-amp", "inductor-amp", "fuser-amp"]  # the default of an autocast preset
+# the fuser runs issue 16's rule holds to, each against the Inductor run of the same precision
+INDUCTOR_OF = {"fuser-bf16": "inductor-bf16", "fuser-amp": "inductor-amp"}
 FP32_RTOL = 1e-4
 DROP_RTOL = 0.1  # "fuser's drop within 10 % of fp32's wherever Inductor's is"
 
@@ -108,10 +129,16 @@ class RunSpec:
     patterns: tuple[str, ...] | None = None  # None: FuserConfig's default
     inner: str | None = None  # None: the caller's fuser_inner_compiler
     options: tuple[tuple[str, str, bool], ...] = ()  # (FuserConfig field, its option, value): ``set=`` options
+    autocast: bool = False  # the forward and loss under torch.autocast(bfloat16)
 
     @property
     def diagnostic(self) -> bool:
         return self.name != self.base
+
+    def weights_dtype(self, method: str) -> torch.dtype:
+        """The dtype of the model's weights for ``method``: fp32 for a full fine-tune under autocast (fp32 master
+        weights), else the run's dtype (under LoRA the frozen base's; the adapters stay fp32)."""
+        return torch.float32 if self.autocast and method == "full" else self.dtype
 
 
 def parse_run(spec: str | RunSpec) -> RunSpec:
@@ -122,7 +149,7 @@ def parse_run(spec: str | RunSpec) -> RunSpec:
     base, *options = spec.split(":")
     if base not in RUNS:
         raise ValueError(f"unknown run {base!r}; choose from {list(RUNS)}")
-    how, dtype = RUNS[base]
+    how, dtype, autocast = RUNS[base]
     patterns = inner = None
     settings: list[tuple[str, str, bool]] = []
     for option in options:
@@ -143,7 +170,7 @@ def parse_run(spec: str | RunSpec) -> RunSpec:
             inner = value
         else:
             patterns = parse_patterns(value)
-    return RunSpec(spec, base, how, dtype, patterns, inner, tuple(settings))
+    return RunSpec(spec, base, how, dtype, patterns, inner, tuple(settings), autocast)
 
 
 def parse_patterns(value: str) -> tuple[str, ...]:
@@ -333,12 +360,16 @@ def train(
     """Train a copy of ``base`` on ``data`` in ``run`` (a key of RUNS, or one with fuser options); the loss of
     every step, and what fused. With ``evaluate`` (a batch), also the fp32-evaluated loss of the trained model."""
     spec = parse_run(run)
-    model = prepare(base, method, spec.dtype, device, seed)
+    model = prepare(base, method, spec.weights_dtype(method), device, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, fused=True)
     torch._dynamo.reset()  # a fresh cache per run: no recompile limit carried over between runs
     backend = None
     context: contextlib.AbstractContextManager = contextlib.nullcontext()
+    # *-amp runs: each forward (and its loss) in a fresh autocast context, as Trainer's compute_loss runs it
+    forward_context = contextlib.nullcontext
+    if spec.autocast:
+        forward_context = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     if spec.how in ("inductor", "inductor-emulate"):
         step_model = torch.compile(model)
         if spec.how == "inductor-emulate":
@@ -354,7 +385,7 @@ def train(
             patterns=spec.patterns, inner_compiler=spec.inner or fuser_inner_compiler, **sections
         )
         backend = fuser.backend(config)
-        counts_before = Counter(backend.counts)
+        counts_before, variants_before = Counter(backend.counts), fused_variants(backend)
         step_model = fuser.optimize(model, backend.config)
     else:
         step_model = model
@@ -365,7 +396,8 @@ def train(
         for ids in data:
             start = time.perf_counter()
             ids = ids.to(device)
-            loss = step_model(input_ids=ids, labels=ids).loss
+            with forward_context():
+                loss = step_model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -374,6 +406,7 @@ def train(
     result: dict[str, Any] = {"losses": losses, "seconds": sum(step_seconds), "first_step_seconds": step_seconds[0]}
     if backend is not None:
         result["fuser_counts"] = dict(Counter(backend.counts) - counts_before)
+        result["fuser_variants"] = dict(fused_variants(backend) - variants_before)
         result["fuser_config"] = {"patterns": spec.patterns, "inner_compiler": backend.config.inner_compiler}
     if not all(math.isfinite(x) for x in losses):
         result["error"] = "non-finite loss"
@@ -385,6 +418,12 @@ def train(
             torch.cuda.empty_cache()
         result["fp32_eval_loss"] = evaluate_fp32(base, method, state, evaluate, device, seed)
     return result
+
+
+def fused_variants(backend: Any) -> Counter[str]:
+    """``pattern (variant)`` → matches, over every graph ``backend`` compiled so far (``lora_sum (peft autocast)``
+    says the LoRA sums fused were autocast's)."""
+    return Counter(f"{m.pattern} ({m.variant})" for result in backend.results for m in result.matches)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -408,9 +447,15 @@ def summary(losses: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def inductor_of(run: str) -> str | None:
+    """The Inductor run fuser run ``run`` is held to (``fuser-amp:patterns=...`` → ``inductor-amp``), or None."""
+    return INDUCTOR_OF.get(run.split(":")[0])
+
+
 def bf16_verdict(s: dict[str, dict[str, float]], run: str) -> tuple[bool, str]:
-    """Issue 16's rule for fuser run ``run`` against ``inductor-bf16`` (both in ``s``, from :func:`summary`)."""
-    fz, ind = s[run], s["inductor-bf16"]
+    """Issue 16's rule for fuser run ``run`` against the Inductor run of its precision (``inductor-bf16`` or
+    ``inductor-amp``; both in ``s``, from :func:`summary`)."""
+    fz, ind = s[run], s[inductor_of(run)]
     ok_diff = fz["max_diff"] <= ind["max_diff"]
     detail = f"max |Δ| {fz['max_diff']:.2e} vs Inductor's {ind['max_diff']:.2e}"
     if abs(ind["ratio"] - 1) <= DROP_RTOL:
@@ -428,13 +473,15 @@ def check(losses: dict[str, list[float]]) -> list[tuple[str, bool, str]]:
     verdicts = []
     if ref is None:
         return verdicts
-    if "fuser-bf16" in losses and "inductor-bf16" in losses:
-        ok, detail = bf16_verdict(summary(losses), "fuser-bf16")
-        name = (
-            "max |fuser bf16 − fp32| ≤ max |inductor bf16 − fp32|, and fuser's drop within 10 % of fp32's where "
-            "Inductor's is"
-        )
-        verdicts.append((name, ok, detail))
+    for fuser_run, inductor_run in INDUCTOR_OF.items():
+        if fuser_run in losses and inductor_run in losses:
+            ok, detail = bf16_verdict(summary(losses), fuser_run)
+            precision = "bf16 autocast" if parse_run(fuser_run).autocast else "bf16"
+            name = (
+                f"max |fuser {precision} − fp32| ≤ max |inductor {precision} − fp32|, and fuser's drop within 10 % "
+                "of fp32's where Inductor's is"
+            )
+            verdicts.append((name, ok, detail))
     if "fuser-fp32" in losses:
         rel = [abs(a - r) / max(abs(r), 1e-30) for a, r in zip(losses["fuser-fp32"], ref, strict=True)]
         worst = max(range(len(rel)), key=rel.__getitem__)
@@ -478,7 +525,6 @@ def run_table(runs: dict[str, dict[str, Any]]) -> str:
     s = summary(losses)
     ref_first = losses[REFERENCE][0] if REFERENCE in losses else math.nan
     ref_eval = runs.get(REFERENCE, {}).get("fp32_eval_loss", math.nan)
-    has_ind = "inductor-bf16" in losses and REFERENCE in losses
     lines = [
         "| run | first loss | last loss | drop | drop ÷ fp32's | max \\|Δ\\| vs fp32 | fp32-evaluated loss after "
         "| learned ÷ fp32's (fp32-evaluated) | issue-16 rule | s (1st step) | fused |",
@@ -489,9 +535,9 @@ def run_table(runs: dict[str, dict[str, Any]]) -> str:
         ev = out.get("fp32_eval_loss", math.nan)
         learned = (ref_first - ev) / (ref_first - ref_eval) if ref_first != ref_eval else math.nan
         rule = ""
-        if has_ind and run.startswith("fuser-bf16"):
+        if REFERENCE in losses and inductor_of(run) in losses:
             ok, _ = bf16_verdict(s, run)
-            rule = ("PASS" if ok else "FAIL") + (" (diagnostic)" if run != "fuser-bf16" else "")
+            rule = ("PASS" if ok else "FAIL") + (" (diagnostic)" if run not in INDUCTOR_OF else "")
         fused = ", ".join(f"{k} {v}" for k, v in sorted(out.get("fuser_counts", {}).items()))
         first_step = out.get("first_step_seconds", math.nan)
         lines.append(
@@ -563,11 +609,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", choices=list(PRESETS), help="a real model's widths (default data: fixed)")
     parser.add_argument("--models", help=f"without --preset: comma-separated, of {sorted(CONFIGS)} (default all)")
-    parser.add_argument("--methods", help="comma-separated, of full, lora (default: full,lora; lora with --preset)")
+    parser.add_argument(
+        "--methods", help="comma-separated, of full, lora (default: full,lora; with --preset, the preset's)"
+    )
     parser.add_argument(
         "--runs",
         help=f"comma-separated, of {list(RUNS)}, fuser ones optionally with :patterns=a,b (or -a,-b) and "
-        f":inner=aot_eager; default: {DEFAULT_RUNS} (the cuda list with --preset)",
+        f":inner=aot_eager; default: {DEFAULT_RUNS} (the cuda list with --preset; {AUTOCAST_RUNS} with an "
+        "autocast preset, *-amp)",
     )
     parser.add_argument("--data", choices=["text", "fixed"], help="text (default) or fixed (default with --preset)")
     parser.add_argument("--steps", type=int, help="default 100; with --preset, the preset's")
@@ -594,8 +643,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if preset and args.models:
         parser.error("--models and --preset exclude each other")
     args.models = [args.preset] if preset else (args.models or ",".join(CONFIGS)).split(",")
-    args.methods = (args.methods or ("lora" if preset else "full,lora")).split(",")
-    default_runs = DEFAULT_RUNS["cuda" if device.type == "cuda" or preset else "cpu"]
+    args.methods = (args.methods or (preset.method if preset else "full,lora")).split(",")
+    if preset and preset.autocast:
+        default_runs = AUTOCAST_RUNS
+    else:
+        default_runs = DEFAULT_RUNS["cuda" if device.type == "cuda" or preset else "cpu"]
     args.runs = split_runs(args.runs) if args.runs else list(default_runs)
     if not preset and (unknown := sorted(set(args.models) - set(CONFIGS))):
         parser.error(f"--models: unknown {unknown}; choose from {sorted(CONFIGS)}")
@@ -630,6 +682,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     specs = [parse_run(run) for run in args.runs]
     round_init = any(s.dtype != torch.float32 for s in specs)
+    autocast_about = (
+        "; amp runs: forward and loss under torch.autocast(bfloat16), LoRA on the bf16 base with fp32 adapters, "
+        "full fine-tunes on fp32 weights"
+        if any(s.autocast for s in specs)
+        else ""
+    )
     lrs = f"AdamW(fused) lr {args.lr_full:g} (full) / {args.lr_lora:g} (LoRA r16, alpha 32, all linear, B = 0)"
     if args.preset:
         preset, model = PRESETS[args.preset], MODELS[PRESETS[args.preset].model]
@@ -654,7 +712,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         + (f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""),
         f"- versions: {versions()}",
         f"- setup: {model_about}, random init (seeds {','.join(map(str, args.seeds))}); {data_about}; {args.steps} "
-        f"steps; {lrs}; bf16 runs: model.to(bfloat16), fp32 LoRA adapters; "
+        f"steps; {lrs}; bf16 runs: model.to(bfloat16), fp32 LoRA adapters{autocast_about}; "
         + ("the fp32 reference starts from the bf16-rounded weights; " if round_init else "")
         + f"fuser inner compiler {args.fuser_inner_compiler} unless a run says otherwise; same weights and data "
         "order in every run; fp32-evaluated: the trained adapters/weights in the fp32 model, loss on the first batch",

@@ -41,6 +41,8 @@ def adapters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def build(base: torch.nn.Module, run: str, device: torch.device):
     """(model, the callable that runs its training forward, its initial adapters) for ``run``."""
     spec = C.parse_run(run)
+    if spec.autocast:
+        raise SystemExit(f"first_step: {run} runs under autocast, which this script does not apply")
     model = C.prepare(base, "lora", spec.dtype, device, 0)
     if spec.how == "inductor":
         step = torch.compile(model)

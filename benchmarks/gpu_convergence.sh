@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One device call for issue 16's convergence table: each preset × lr as its own convergence.py run (fp32 reference,
-# eager bf16, Inductor bf16, fuser bf16), reports in $OUT. Usage (device tool): CASES="llama3-8b:lora:1e-5 ..." bash
+# One device call for issue 16's convergence table: each preset × lr as its own convergence.py run, with the preset's
+# runs (fp32 reference, eager bf16, Inductor bf16, fuser bf16; an autocast preset, *-amp, the same under bf16
+# autocast), reports in $OUT. Usage (device tool): CASES="llama3-8b:lora:1e-5 ..." bash
 # benchmarks/gpu_convergence.sh   (a case is preset:method:lr[:layers]; LIMIT: seconds per case, default 200)
+#   CASES="llama3-8b-amp:lora:1e-5 llama3-8b-amp:lora:2e-4 qwen3-8b-amp:lora:2e-4:2" LIMIT=150 bash ...   # autocast
 set -uo pipefail
+shopt -s nullglob
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -11,7 +14,10 @@ for case in ${CASES:?}; do
   IFS=: read -r preset method lr layers <<< "$case"
   name="convergence_${preset}_${method}_lr${lr}"
   timeout "${LIMIT:-200}" python3 benchmarks/convergence.py --preset "$preset" --methods "$method" --lr "$lr" \
-    ${layers:+--layers "$layers"} --runs eager-fp32,eager-bf16,inductor-bf16,fuser-bf16 \
-    --out "$OUT/$name.md" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    ${layers:+--layers "$layers"} --out "$OUT/$name.md" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$case rc=$?"; grep -E "^\| \`|PASS|FAIL" "$OUT/$name.md" 2>/dev/null | head -6 | cut -c1-150
 done
+# the device call brings back at most 8 files: past that, the reports stay and the rest goes into one archive
+cd "$OUT" && files=(convergence_*) && if [ ${#files[@]} -gt 8 ]; then
+  tar -czf convergence_runs.tgz --remove-files -- convergence_*.json convergence_*.log convergence_*.png
+fi

@@ -278,8 +278,12 @@ class Preset:
     batch: int
     seq: int
     steps: int
-    lr: float
+    lr: float  # ``--lr`` overrides it
     about: str
+    method: str = "lora"  # ``--methods``' default: "lora" or "full"
+    # every bf16 run under bf16 autocast, as Trainer(bf16=True) trains (convergence.py's *-amp runs): LoRA on the
+    # bf16 base with fp32 adapters, a full fine-tune on fp32 weights
+    autocast: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -291,4 +295,11 @@ PRESETS: dict[str, Preset] = {
     "gemma3-4b": Preset("gemma3-4b", 6, 2, 2048, 12, 1e-4, "Gemma-3-4B widths, 5 sliding + 1 global"),
     "cpu-small": Preset("cpu-small", 1, 2, 128, 8, 3e-6, "issue 16's small CPU Llama"),
     "cpu-tiny": Preset("cpu-tiny", 1, 2, 64, 8, 3e-6, "a smaller CPU Llama that shows issue 16"),
+    # the same recipes under bf16 autocast; the LoRA ones are also run at --lr 2e-4 (a common LoRA rate)
+    "llama3-8b-amp": Preset("llama3-8b", 4, 2, 1024, 12, 1e-5, "Llama-3-8B widths, bf16 autocast", autocast=True),
+    "qwen3-8b-amp": Preset("qwen3-8b", 4, 2, 1024, 12, 1e-5, "Qwen3-8B widths, bf16 autocast", autocast=True),
+    "llama32-1b-amp": Preset(
+        "llama32-1b", 16, 2, 1024, 12, 1e-5, "Llama-3.2-1B, fp32 weights, bf16 autocast", method="full", autocast=True
+    ),
+    "cpu-tiny-amp": Preset("cpu-tiny", 1, 2, 64, 8, 3e-6, "cpu-tiny under bf16 autocast", autocast=True),
 }

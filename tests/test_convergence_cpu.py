@@ -107,3 +107,91 @@ def test_bf16_lora_learns_like_fp32(bf16_lora_case):
         pytest.fail("fuser fused nothing: the check would compare eager with eager")
     fp32, got = _drop(runs["eager-fp32"]), _drop(fused)
     assert got >= 0.7 * fp32, f"fuser bf16's loss drop {got:.2e} is {got / fp32:.2f} of fp32's {fp32:.2e} (want ≥ 0.7)"
+
+
+# The same case under bf16 autocast, as Trainer(bf16=True) trains a bf16-loaded model with peft's fp32 adapters:
+# autocast runs the adapters' matmuls in bf16 and peft adds their term to the bf16 base output, so eager autocast
+# loses it as eager bf16 does; fuser's lora_sum takes the autocast form whole (variant "peft autocast"). Preset
+# cpu-tiny-amp (cpu-tiny's recipe, the *-amp runs), seeds 0/1/2 (benchmarks/results/convergence_cpu-tiny-amp_cpu_
+# 2026-12-06.md): max |Δ| vs fp32 fuser (aot_eager) 4.2e-4 / 5.6e-4 / 2.7e-4, Inductor 1.07e-3 / 1.31e-3 / 1.16e-3;
+# drop ÷ fp32's eager 0.23 / 0.18 / 0.18, Inductor 1.20 / 1.33 / 1.17, fuser 1.11 / 1.05 / 0.89. fuser without
+# lora_sum passes the rule too here (max |Δ| 3.9e-4 to 5.5e-4, drop 0.62-0.79): what shows the LoRA sums fused under
+# autocast is the "peft autocast" count, not the rule.
+AMP_PRESET = "cpu-tiny-amp"
+# eager-bf16 beside the autocast runs: its losses differ from eager-amp's only if autocast was applied
+AMP_RUNS = ("eager-fp32", "eager-bf16", "eager-amp", "inductor-amp", "fuser-amp")
+# the tests that read the record on one xdist worker, so its Inductor compile (about a minute cold) runs once
+AMP_GROUP = pytest.mark.xdist_group("convergence_amp")
+
+
+def test_autocast_presets_default_to_the_amp_runs():
+    convergence = _load_convergence()
+    args = convergence.parse_args(["--preset", "llama3-8b-amp", "--device", "cpu", "--lr", "2e-4"])
+    assert args.runs == convergence.AUTOCAST_RUNS and args.methods == ["lora"]
+    assert args.lr_lora == 2e-4, "--lr overrides the preset's learning rate"
+    full = convergence.parse_args(["--preset", "llama32-1b-amp", "--device", "cpu"])
+    assert full.methods == ["full"] and full.lr_full == 1e-5
+    assert convergence.parse_args(["--preset", "llama3-8b", "--device", "cpu"]).runs == convergence.DEFAULT_RUNS["cuda"]
+    amp = convergence.parse_run("eager-amp")
+    assert amp.autocast and amp.weights_dtype("lora") == torch.bfloat16
+    assert amp.weights_dtype("full") == torch.float32, "a full fine-tune under autocast keeps fp32 master weights"
+
+
+@pytest.fixture(scope="module")
+def amp_lora_record():
+    """The harness's record of cpu-tiny-amp (its fuser run on aot_eager, as BF16_FUSER_INNER says why)."""
+    convergence = _load_convergence()
+    args = convergence.parse_args(
+        ["--preset", AMP_PRESET, "--device", "cpu", "--seed", str(BF16_SEED), "--runs", ",".join(AMP_RUNS)]
+        + ["--fuser-inner-compiler", BF16_FUSER_INNER]
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        record = convergence.run_all(args)
+    finally:
+        torch.set_num_threads(threads)
+    return convergence, record
+
+
+@AMP_GROUP
+def test_autocast_lora_fuser_passes_the_rule(amp_lora_record):
+    """fuser under autocast: max |Δ| vs fp32 within Inductor's under autocast (and the drop rule), no slack."""
+    convergence, record = amp_lora_record
+    (runs,) = record["results"].values()
+    losses = {run: out["losses"] for run, out in runs.items()}
+    verdicts = convergence.check(losses)
+    assert len(verdicts) == 1 and "autocast" in verdicts[0][0], verdicts
+    assert verdicts[0][1], verdicts
+    _, passed = convergence.render([record], None)
+    assert all(passed.values()), passed
+
+
+@AMP_GROUP
+def test_autocast_lora_runs_ran_under_autocast(amp_lora_record):
+    """The case shows the lost LoRA term under autocast, the runs were autocast's, and fuser fused its LoRA sums."""
+    _, record = amp_lora_record
+    (runs,) = record["results"].values()
+    assert runs["eager-amp"]["losses"] != runs["eager-bf16"]["losses"], "eager-amp ran as eager-bf16: no autocast"
+    fp32, eager = _drop(runs["eager-fp32"]), _drop(runs["eager-amp"])
+    assert eager < 0.5 * fp32, f"eager autocast's drop {eager:.2e} is not below half fp32's {fp32:.2e}"
+    fused = runs["fuser-amp"]
+    lora_sums = fused["fuser_counts"].get("lora_sum", 0)
+    assert lora_sums > 0, f"fuser fused no LoRA sum under autocast: {fused['fuser_counts']}"
+    # the autocast form matches only a graph Dynamo captured under autocast
+    assert fused["fuser_variants"].get("lora_sum (peft autocast)", 0) == lora_sums, fused["fuser_variants"]
+
+
+def test_autocast_full_fine_tune_trains_fp32_weights():
+    """A full fine-tune under autocast runs (fp32 weights, bf16 matmuls): its losses are not the bf16 weights'."""
+    convergence = _load_convergence()
+    data = [convergence.fixed_batch(convergence.VOCAB, 2, 32, seed=0)] * 3
+    base = convergence.round_parameters(
+        convergence.build_model("llama", hidden=64, layers=1, seq=32, seed=0), torch.bfloat16
+    )
+    cpu = torch.device("cpu")
+    amp = convergence.train(base, "full", "eager-amp", data, cpu, lr=1e-3)
+    bf16 = convergence.train(base, "full", "eager-bf16", data, cpu, lr=1e-3)
+    fp32 = convergence.train(base, "full", "eager-fp32", data, cpu, lr=1e-3)
+    assert all(math.isfinite(x) for x in amp["losses"])
+    assert amp["losses"] != bf16["losses"] and amp["losses"] != fp32["losses"]
