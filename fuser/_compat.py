@@ -134,6 +134,16 @@ def statically_equal(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
+def sympy_expr(size: int | torch.SymInt) -> Any:
+    """A size as a sympy expression: an int as a sympy integer, a SymInt as the expression over the shape
+    environment's symbols that it stands for (replacements applied), e.g. the symbol of a dynamic sequence length."""
+    import sympy
+
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return sympy.Integer(size)
+
+
 def statically_same_shape(a: Any, b: Any) -> bool:
     """Two shapes of one rank whose sizes are :func:`statically_equal` one by one."""
     return len(a) == len(b) and all(statically_equal(x, y) for x, y in zip(a, b, strict=True))
