@@ -253,6 +253,21 @@ def dynamo_recompiling() -> bool:
     return bool(getattr(compile_id, "frame_compile_id", 0))
 
 
+def dynamo_recompile_reason() -> str | None:
+    """Dynamo's reason for the recompile it is compiling now, in its words: the first guard of the earlier compile
+    that failed, prefixed by that compile's id (``"0/0: tensor 'L['input_ids']' size mismatch at index 1. expected
+    16, actual 24"``). Read from the metrics Dynamo records for the frame it compiles (``recompile_reason``); None
+    outside a recompile or where torch keeps no such record."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        reason = context._metrics.get("recompile_reason") if context.in_progress() else None
+    except Exception:  # noqa: BLE001 - an older or newer torch without it: no reason to give
+        return None
+    return reason if isinstance(reason, str) and reason else None
+
+
 def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]] | None:
     """Why Dynamo ended the graph ``gm`` at a graph break, and where (file, line, code of the user frame it
     stopped in), from the reason Dynamo attaches to the graph module; ``None`` when the graph ended at a return

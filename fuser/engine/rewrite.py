@@ -103,6 +103,8 @@ class RewriteResult:
     # the graph is Dynamo's recompile of code it compiled before (new shapes, failed guards), not a graph break's
     # continuation: set by the backend, told apart in ``fuser.report``
     recompile: bool = False
+    # for a recompile, Dynamo's reason: the guard of the earlier compile that failed (None where torch gives none)
+    recompile_reason: str | None = None
 
     @property
     def counts(self) -> dict[str, int]:
