@@ -255,9 +255,9 @@ def dynamo_recompiling() -> bool:
 
 def dynamo_recompile_reason() -> str | None:
     """Dynamo's reason for the recompile it is compiling now, in its words: the first guard of the earlier compile
-    that failed, prefixed by that compile's id (``"0/0: tensor 'L['input_ids']' size mismatch at index 1. expected
-    16, actual 24"``). Read from the metrics Dynamo records for the frame it compiles (``recompile_reason``); None
-    outside a recompile or where torch keeps no such record."""
+    that failed, prefixed by that compile's id (``"0/0: tensor 'kwargs['input_ids']' size mismatch at index 1.
+    expected 16, actual 24"``). Read from the metrics Dynamo records for the frame it compiles
+    (``recompile_reason``); None outside a recompile or where torch keeps no such record."""
     try:
         from torch._dynamo.utils import get_metrics_context
 

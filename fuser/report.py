@@ -58,8 +58,8 @@ class Report:
                    Trainer's batches of another length; from the second length on, a graph with dynamic shapes)
                    or guards that failed. Not graph breaks: each repeats an earlier graph's matches.
     recompile_reasons: ``fuser.report``: for each recompile, Dynamo's reason in its words: the guard of the
-                   earlier compile that failed, after that compile's id (``"0/0: tensor 'L['kwargs']['input_ids']'
-                   size mismatch at index 1. expected 16, actual 24"``: a new sequence length), or
+                   earlier compile that failed, after that compile's id (``"0/0: tensor 'kwargs['input_ids']' size
+                   mismatch at index 1. expected 16, actual 24"``: a new sequence length), or
                    :data:`UNKNOWN_REASON` where torch gave none.
     matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
     near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its

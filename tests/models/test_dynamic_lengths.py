@@ -36,7 +36,8 @@ def _per_compile(backend: fuser.dynamo_backend.FuserBackend, steps: list[int]) -
     assert backend.results == first + again
     assert [r.counts for r in again] == [r.counts for r in first]
     assert [r.refined for r in again] == [r.refined for r in first]
-    assert all("size mismatch at index 1" in str(r.recompile_reason) for r in again), [r.recompile_reason for r in again]
+    reasons = [str(r.recompile_reason) for r in again]
+    assert all("size mismatch at index 1" in reason for reason in reasons), reasons
 
 
 def _step(model, seq: int):
