@@ -137,6 +137,16 @@ def statically_equal(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
+def sympy_expr(size: int | torch.SymInt) -> Any:
+    """A size as a sympy expression: an int as a sympy integer, a SymInt as the expression over the shape
+    environment's symbols that it stands for (replacements applied), e.g. the symbol of a dynamic sequence length."""
+    import sympy
+
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return sympy.Integer(size)
+
+
 def statically_same_shape(a: Any, b: Any) -> bool:
     """Two shapes of one rank whose sizes are :func:`statically_equal` one by one."""
     return len(a) == len(b) and all(statically_equal(x, y) for x, y in zip(a, b, strict=True))
@@ -427,6 +437,21 @@ def dynamo_recompiling() -> bool:
     except Exception:  # noqa: BLE001 - an older or newer torch without it: count the graph as a first compile
         return False
     return bool(getattr(compile_id, "frame_compile_id", 0))
+
+
+def dynamo_recompile_reason() -> str | None:
+    """Dynamo's reason for the recompile it is compiling now, in its words: the first guard of the earlier compile
+    that failed, prefixed by that compile's id (``"0/0: tensor 'kwargs['input_ids']' size mismatch at index 1.
+    expected 16, actual 24"``). Read from the metrics Dynamo records for the frame it compiles
+    (``recompile_reason``); None outside a recompile or where torch keeps no such record."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        reason = context._metrics.get("recompile_reason") if context.in_progress() else None
+    except Exception:  # noqa: BLE001 - an older or newer torch without it: no reason to give
+        return None
+    return reason if isinstance(reason, str) and reason else None
 
 
 def graph_break_of(gm: torch.fx.GraphModule) -> tuple[str, tuple[str, int, str]] | None:

@@ -21,7 +21,7 @@ from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
-from fuser.report import GraphBreak, Report, graph_break
+from fuser.report import UNKNOWN_REASON, GraphBreak, Report, graph_break
 from fuser.tracing import tracing_context
 
 log = logging.getLogger("fuser")
@@ -215,6 +215,7 @@ class FuserBackend:
         recompiling = _compat.dynamo_recompiling()
         if result is not None:
             result.recompile = recompiling
+            result.recompile_reason = _compat.dynamo_recompile_reason() if recompiling else None
             self.results.append(result)
         compiled = self._compile(gm, new_gm, example_inputs, result)
         # after the compile: a restarted analysis brings gm again; a recompile's break is one already listed
@@ -223,12 +224,14 @@ class FuserBackend:
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         fused = ", ".join(f"{k}={v}" for k, v in sorted(result.counts.items())) if result else ""
+        why = f" (a recompile: {result.recompile_reason or UNKNOWN_REASON})" if result and result.recompile else ""
         log.info(
-            "fuser: graph %d compiled in %.1f s (%s): fused %s",
+            "fuser: graph %d compiled in %.1f s (%s): fused %s%s",
             index,
             seconds,
             self.config.inner_compiler,
             fused or "nothing",
+            why,
         )
         return compiled
 
@@ -310,6 +313,7 @@ class FuserBackend:
     def report(self) -> Report:
         """What this backend fused so far: counts, graphs, matches and near-misses of every graph it compiled."""
         out = Report(graphs=len(self.results), recompiles=sum(result.recompile for result in self.results))
+        out.recompile_reasons = [r.recompile_reason or UNKNOWN_REASON for r in self.results if r.recompile]
         for result in self.results:
             out.matches += result.matches
             out.near_misses += result.near_misses
@@ -431,5 +435,6 @@ def report(model: torch.nn.Module | None = None) -> Report:
         total.compile_seconds += part.compile_seconds
         total.breaks += part.breaks
         total.recompiles += part.recompiles
+        total.recompile_reasons += part.recompile_reasons
     total.counts = count_by_pattern(total.matches)
     return total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,9 @@ from fuser.engine.canonical import location
 from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.patterns import PATTERNS
 from fuser.tracing import tracing_context
+
+# a recompile's reason where Dynamo recorded none
+UNKNOWN_REASON = "Dynamo gave no reason"
 
 # what a report with no captured graph says: the two ways a model ends up running with nothing compiled
 NO_GRAPH_HINT = (
@@ -56,6 +60,10 @@ class Report:
     recompiles:    ``fuser.report``: graphs Dynamo compiled again for code it had compiled, for new shapes (a
                    Trainer's batches of another length; from the second length on, a graph with dynamic shapes)
                    or guards that failed. Not graph breaks: each repeats an earlier graph's matches.
+    recompile_reasons: ``fuser.report``: for each recompile, Dynamo's reason in its words: the guard of the
+                   earlier compile that failed, after that compile's id (``"0/0: tensor 'kwargs['input_ids']' size
+                   mismatch at index 1. expected 16, actual 24"``: a new sequence length), or
+                   :data:`UNKNOWN_REASON` where torch gave none.
     matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
     near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its
                    module path, source line and the reason in words (``.module``, ``.where``, ``.reason``).
@@ -75,6 +83,7 @@ class Report:
     counts: dict[str, int] = field(default_factory=dict)
     graphs: int = 0
     recompiles: int = 0
+    recompile_reasons: list[str] = field(default_factory=list)
     matches: list[Match] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
@@ -108,6 +117,8 @@ class Report:
                 f", {self.recompiles} recompile(s) (code compiled again for new shapes or guards; its fused ops are "
                 "counted again)"
             )
+        for reason, n in Counter(self.recompile_reasons).items():
+            lines.append(f"recompiled{f' {n}x' if n > 1 else ''}: {reason}")
         width = max([len(m.module) for m in self.matches] + [6])
         names = max([len(m.pattern) for m in self.matches] + [16])
         lines.append(f"{'pattern':<{names}} {'variant':<12} {'module':<{width}}  source")

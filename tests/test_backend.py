@@ -267,8 +267,8 @@ def test_a_model_dynamo_ran_uncompiled_reports_no_graph_and_says_why():
 
 def test_report_tells_a_recompile_from_a_graph_break():
     """A batch of another length makes Dynamo compile the model again (with dynamic shapes, as in a Trainer whose
-    batches vary in length): that is a recompile, not a graph break, and the report says so; a real graph break
-    inside the same code is still counted once, recompiled or not."""
+    batches vary in length): that is a recompile, not a graph break, and the report says so, with Dynamo's reason;
+    a real graph break inside the same code is still counted once, recompiled or not."""
     torch._dynamo.reset()
     model = build("llama")
     compiled = fuser.optimize(model, AOT)
@@ -277,6 +277,10 @@ def test_report_tells_a_recompile_from_a_graph_break():
     report = fuser.report(compiled)
     assert (report.graphs, report.recompiles, report.graph_breaks) == (2, 1, 0), str(report)
     assert str(report).startswith("fuser: 2 graph(s), 0 graph break(s), 1 recompile(s)"), str(report)
+    # Dynamo's reason: the guard on the first length that the second failed
+    (reason,) = report.recompile_reasons
+    assert "input_ids" in reason and "size mismatch at index 1. expected 16, actual 24" in reason, reason
+    assert f"recompiled: {reason}" in str(report).splitlines()[1], str(report)
 
     class Split(torch.nn.Module):
         def forward(self, x):

@@ -11,6 +11,7 @@ Operand order of commutative ops and the skipping of no-op casts are handled by 
 
 from __future__ import annotations
 
+import builtins
 import operator
 import re
 from dataclasses import dataclass
@@ -444,6 +445,36 @@ def canonical(node: Any) -> Canon | None:
     if op == "square":
         return Canon("pow", (node.args[0], 2))
     return Canon(op, tuple(node.args))
+
+
+# what reads a tensor's metadata, never its values: its sizes (``x.size()``, ``x.size(1)``, ``x.shape``), rank or
+# element count. Strides are not among them: a rewrite may give a value another layout
+_SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
+_SHAPE_FUNCTIONS = (torch.numel, builtins.len)
+
+
+def is_shape_query(node: Any) -> bool:
+    """Whether ``node`` reads only the shape of its tensor operand: ``x.size()``, ``x.size(d)``, ``x.dim()``,
+    ``x.numel()``, ``getattr(x, "shape")`` / ``"ndim"``, ``torch.numel(x)``, ``len(x)``.
+
+    Such a node is never a read of the value: the rewrite points it at another node of the same shape (a graph
+    with a symbolic sequence length keeps these queries, dead or alive, inside checkpointed layers), so a block
+    whose intermediate is only measured is still fused."""
+    if not isinstance(node, Node) or not node.args or tensor_meta(node.args[0]) is None:
+        return False
+    if node.op == "call_method":
+        return node.target in _SHAPE_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is builtins.getattr:
+        return len(node.args) == 2 and node.args[1] in _SHAPE_ATTRIBUTES
+    return node.target in _SHAPE_FUNCTIONS and len(node.args) == 1 and not node.kwargs
+
+
+def value_readers(node: Node) -> list[Node]:
+    """The users of ``node`` that read its values: every user but :func:`is_shape_query` ones."""
+    return [user for user in node.users if not is_shape_query(user)]
 
 
 def is_noop_cast(node: Any) -> bool:

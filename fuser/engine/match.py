@@ -34,6 +34,7 @@ Reading nodes through one canonical view and trying commutative orders here keep
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from fuser.engine.canonical import (
     COMMUTATIVE,
     canonical,
     is_noop_cast,
+    is_shape_query,
     meta_value,
     strip_exact_upcast,
     tensor_meta,
@@ -321,10 +323,53 @@ def describe_value(value: Any) -> str:
 
 
 def escaping_use(found: Found) -> tuple[Node, Node] | None:
-    """An interior node of the match that something outside the match also uses, with that user."""
+    """An interior node of the match that something outside the match also uses, with that user. A query of its
+    shape is no such use where its result is unused (:func:`unused_shape_query`) or :func:`shape_source` finds a
+    node to read that shape from after the rewrite."""
     inside = set(found.nodes)
     for node in found.nodes[1:]:
         for user in node.users:
-            if user not in inside:
-                return node, user
+            if user in inside or movable_shape_query(found, node, user):
+                continue
+            return node, user
+    return None
+
+
+def movable_shape_query(found: Found, node: Node, user: Node) -> bool:
+    """Whether ``user``, outside the match, queries the shape of ``node``, inside it, in a way the rewrite can keep:
+    unused, or answered by :func:`shape_source`."""
+    return is_shape_query(user) and (unused_shape_query(user) or shape_source(found, node, user) is not None)
+
+
+def unused_shape_query(query: Node) -> bool:
+    """Whether nothing reads the result of the shape query ``query``, or only indexing whose result nothing reads
+    (``size = x.size(); getitem = size[0]`` left dead in a checkpointed layer's graph)."""
+    return all(user.target is operator.getitem and not user.users for user in query.users)
+
+
+def shape_source(found: Found, node: Node, query: Node) -> Node | None:
+    """A node that survives the rewrite, has statically the same shape as ``node`` (an interior node of the match)
+    and is computed before ``query`` (a shape query of ``node``): an input of the match that ``node`` is computed
+    from, or else the match's root (whose fused value has the root's shape) where ``query`` comes after it. The
+    rewrite points ``query`` there; ``None`` when there is none (the match then declines)."""
+    from fuser._compat import statically_same_shape
+
+    shape = tensor_meta(node).shape
+    inside = set(found.nodes)
+    seen: set[Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        if value in inside:
+            stack.extend(value.all_input_nodes)
+            continue
+        t = tensor_meta(value)
+        if t is not None and statically_same_shape(t.shape, shape):
+            return value
+    root = tensor_meta(found.root)
+    if root is not None and found.root < query and statically_same_shape(root.shape, shape):
+        return found.root
     return None

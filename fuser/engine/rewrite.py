@@ -20,14 +20,22 @@ import dataclasses
 import logging
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from fuser.engine.canonical import canonical, module_path, source_line
-from fuser.engine.match import OUTER_VALUE, Found, closest_miss, escaping_use, match_tree
+from fuser.engine.canonical import canonical, is_shape_query, module_path, source_line
+from fuser.engine.match import (
+    OUTER_VALUE,
+    Found,
+    closest_miss,
+    escaping_use,
+    match_tree,
+    shape_source,
+    unused_shape_query,
+)
 from fuser.engine.protocol import ArgExpr, Decline, Pattern, Replacement
 
 if TYPE_CHECKING:
@@ -95,6 +103,8 @@ class RewriteResult:
     # the graph is Dynamo's recompile of code it compiled before (new shapes, failed guards), not a graph break's
     # continuation: set by the backend, told apart in ``fuser.report``
     recompile: bool = False
+    # for a recompile, Dynamo's reason: the guard of the earlier compile that failed (None where torch gives none)
+    recompile_reason: str | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -207,6 +217,11 @@ def _try_patterns(
                 try:
                     if escape is not None:
                         inner, user = escape
+                        if is_shape_query(user):
+                            raise Decline(
+                                f"`{user.name}` reads the shape of intermediate `{inner.name}`, and no input of the "
+                                "block has that shape to read it from once the block is fused"
+                            )
                         raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
                     replacement = pattern.check(found, variant, config)
                     if replacement.dropped_outputs and graph_name:
@@ -317,6 +332,7 @@ def apply_matches(result: RewriteResult) -> None:
             kwargs = {k: _built(resolve(v), graph) for k, v in replacement.kwargs.items()}
             call = graph.call_function(replacement.op, args, kwargs)
         copy_source_meta(root, call)
+        _move_shape_queries(match.found, resolve)
         for old, index in outputs:
             fused = call
             with graph.inserting_before(first):
@@ -342,6 +358,25 @@ def apply_matches(result: RewriteResult) -> None:
                 dead.remove(node)
     for graph in {m.found.root.graph for m in result.matches}:
         graph.lint()
+
+
+def _move_shape_queries(found: Found, resolve: Callable[[Any], Any]) -> None:
+    """Erase each unused shape query of an interior node of ``found`` (which the rewrite erases), and point each
+    other one at the node :func:`~fuser.engine.match.shape_source` names: an input of the block of the same shape, or
+    the root, whose users the fused value takes over next. ``resolve`` maps a node an earlier match replaced to its
+    replacement."""
+    inside = set(found.nodes)
+    for node in found.nodes[1:]:
+        for query in [user for user in node.users if user not in inside and is_shape_query(user)]:
+            if unused_shape_query(query):  # erased, with its unused indexing
+                for user in list(query.users):
+                    query.graph.erase_node(user)
+                query.graph.erase_node(query)
+                continue
+            source = shape_source(found, node, query)
+            if source is None:  # escaping_use declined such a match; a pattern judging its own uses must too
+                raise RuntimeError(f"`{query.name}` reads the shape of `{node.name}`, and no node left has that shape")
+            query.replace_input_with(node, resolve(source))
 
 
 def _built(value: Any, graph: torch.fx.Graph) -> Any:

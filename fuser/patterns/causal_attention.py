@@ -13,8 +13,15 @@ The rewrite is made only when the mask is *proved* to be the plain causal mask:
 - evaluated on the CPU at compile time, it is boolean (True = attend) or float with exactly 0 / −inf, and every
   ``[T, T]`` slice equals ``tril(ones(T, T))`` (a prefix-LM or a document mask declines; a causal sliding window
   is the next case);
-- query and key have the same, static length (``is_causal`` is top-left aligned);
+- query and key have the same length (``is_causal`` is top-left aligned);
 - ``is_causal`` was not already set.
+
+A symbolic length. Once batches of a second length arrive, Dynamo recompiles with a symbolic sequence length, and one
+graph then serves every length: the mask cannot be evaluated, and evaluating it at the traced length would prove
+nothing about the others (a sliding window of ``w`` keys is the causal mask at every length up to ``w``). There a
+bool mask is proved instead, for every length, by algebra on its index expressions
+(:mod:`fuser.patterns.mask_algebra`): the plain causal mask, or a window of one constant ``w`` (at lengths up to
+``w`` the window op computes the causal mask). A mask it cannot read (a float mask among them) declines there.
 
 The call becomes ``F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, scale, enable_gqa)``: the
 same function of q, k and v, so PyTorch may pick its flash kernels, which skip the masked blocks.
@@ -50,7 +57,6 @@ Both switches are :class:`CausalAttentionConfig` (``FuserConfig.causal_attention
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,12 +64,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fuser._compat import statically_equal
+from fuser._compat import statically_equal, statically_same_shape, sympy_expr
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
 from fuser.kernels.window_attention import window_mask, window_sdpa
 from fuser.options import check_fields
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.mask_algebra import INPUT_DEPENDENT, mutates, symbolic_verdict
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -104,7 +111,6 @@ MAX_FLEX_HEAD_DIM = 128
 # the largest sequence whose mask is evaluated at compile time (a T×T bool on the CPU: 4 GiB at 65536)
 MAX_EVALUATED_LENGTH = 65536
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
-_INPUT_DEPENDENT = "the mask depends on the graph input"
 _MEMO_KEY = "fuser_causal_mask"  # node.meta: the verdict on a mask node, shared by the layers that use it
 
 
@@ -126,14 +132,6 @@ def _ancestors(node: Node) -> list[Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _mutates(node: Node) -> bool:
-    """Whether ``node`` writes into one of its inputs: ``x[i] = v`` or an in-place method or function (``x.add_``)."""
-    if node.op == "call_function" and node.target is operator.setitem:
-        return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
-
-
 def _on_cpu(value):
     return torch.fx.node.map_aggregate(value, lambda v: torch.device("cpu") if isinstance(v, torch.device) else v)
 
@@ -152,13 +150,13 @@ def _evaluate(mask: Node) -> torch.Tensor:
     inside = set(ancestors)
     for n in ancestors:  # a value written in place after it was computed is not what its nodes compute
         for user in n.users:
-            if user not in inside and _mutates(user):
+            if user not in inside and mutates(user):
                 raise Decline(f"the mask is modified in place by `{user.format_node()}`")
     for n in ancestors:
         if n.op == "placeholder":
             outer = n.meta.get(OUTER_VALUE)
             if not isinstance(outer, Node):
-                raise Decline(f"{_INPUT_DEPENDENT} `{n.name}` (a padding mask?): values unknown")
+                raise Decline(f"{INPUT_DEPENDENT} `{n.name}` (a padding mask?): values unknown")
             env[n] = _evaluate(outer)
             continue
         if n.op == "get_attr":
@@ -227,16 +225,11 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     if qt.dim() < 2 or kt.dim() < 2:
         raise Decline("query or key has fewer than 2 dims")
     lq, lk = qt.shape[-2], kt.shape[-2]
-    if not isinstance(lq, int) or not isinstance(lk, int):
-        # the run-time check and the block mask read the mask's own values, whatever its length and origin
-        if config.causal_attention.runtime_check and statically_equal(lq, lk):
-            return _runtime_checked(found, config)
-        if config.causal_attention.block_sparse_masks and statically_equal(lq, lk):
-            return _block_sparse(found)
-        raise Decline("the sequence length is symbolic (dynamic shapes): the mask is not evaluated")
-    if lq != lk:
+    if not statically_equal(lq, lk):
         raise Decline(f"query length {lq} differs from key length {lk} (is_causal is top-left aligned)")
-    if lq > MAX_EVALUATED_LENGTH:
+    # a symbolic length (the recompile for a second batch length): the mask is proved for every length by algebra
+    symbolic = not isinstance(lq, int)
+    if not symbolic and lq > MAX_EVALUATED_LENGTH:
         raise Decline(f"sequence length {lq} is above {MAX_EVALUATED_LENGTH}: the mask is not evaluated")
     # a checkpointed layer receives the mask as its body's input: judge the enclosing graph's node, once for all
     # the layers that share it (each layer's body has its own placeholder)
@@ -244,22 +237,25 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     while source.op == "placeholder" and isinstance(source.meta.get(OUTER_VALUE), Node):
         source = source.meta[OUTER_VALUE]
     memo = source.meta.setdefault(_MEMO_KEY, {})
-    if lq not in memo:
-        memo[lq] = _causal_verdict(source, lq)
+    length = sympy_expr(lq) if symbolic else lq
+    if length not in memo:
+        memo[length] = symbolic_verdict(source, length) if symbolic else _causal_verdict(source, lq)
+    verdict = memo[length]
     enable_gqa = bool(b["enable_gqa"])
-    window = memo[lq] if isinstance(memo[lq], int) else None
+    window = verdict if isinstance(verdict, int) else None
     if window is not None:
         if not config.causal_attention.sliding_window:
             raise Decline(f"a causal sliding window of {window} keys (causal_attention.sliding_window is off)")
         if b["dropout_p"] != 0:
             raise Decline(f"a causal sliding window of {window} keys with dropout (the window kernel has none)")
         _check_window_operands(q, k, v, enable_gqa, window)
-    if isinstance(memo[lq], str):
-        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.runtime_check:
+    if isinstance(verdict, str):
+        # the run-time check and the block mask read the mask's own values, whatever its length
+        if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.runtime_check:
             return _runtime_checked(found, config)
-        if memo[lq].startswith(_INPUT_DEPENDENT) and config.causal_attention.block_sparse_masks:
+        if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.block_sparse_masks:
             return _block_sparse(found)
-        raise Decline(memo[lq])
+        raise Decline(verdict)
     k, v, enable_gqa = _folded(k, v, enable_gqa, config)
     if window is not None:
         return Replacement(window_sdpa, (q, k, v, window, 0.0, b["scale"], enable_gqa), variant=f"window {window}")
@@ -387,9 +383,12 @@ def _unrepeated(node: Node) -> tuple[Node, int] | None:
         return None
     b, h, s, d = kv_shape
     n_rep = expanded_shape[2]
-    if inserted_shape != (b, h, 1, s, d) or expanded_shape != (b, h, n_rep, s, d):
+    if not isinstance(n_rep, int) or n_rep < 1:
         return None
-    if out_shape != (b, h * n_rep, s, d) or not isinstance(n_rep, int) or n_rep < 1:
+    # compared without guards: the token dim s is symbolic in a dynamic-shape graph
+    found = (inserted_shape, expanded_shape, out_shape)
+    expected = ((b, h, 1, s, d), (b, h, n_rep, s, d), (b, h * n_rep, s, d))
+    if not all(statically_same_shape(a, e) for a, e in zip(found, expected, strict=True)):
         return None
     return kv, n_rep
 

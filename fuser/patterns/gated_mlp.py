@@ -40,7 +40,7 @@ import torch
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
-from fuser.engine.canonical import canonical, tensor_meta
+from fuser.engine.canonical import canonical, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
@@ -240,10 +240,11 @@ def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
     """A user of the product that is not a projection (through casts and reshapes), as text for the report; or None.
 
     The product of a gated MLP feeds the down projection (and, with LoRA, its ``lora_A``); anything else using
-    it (a second branch, a graph output) means the block is not the plain MLP the op is built for. A custom
-    autograd.Function is judged by its forward (see :func:`_why_autograd_function_is_no_projection`).
+    it (a second branch, a graph output) means the block is not the plain MLP the op is built for; a query of its
+    shape is no use of it. A custom autograd.Function is judged by its forward (see
+    :func:`_why_autograd_function_is_no_projection`).
     """
-    for user in node.users:
+    for user in value_readers(node):
         name = str(getattr(user.target, "__name__", user.target))
         if user.op == "call_method" and name in _PASS_THROUGH_METHODS and depth < 4:
             bad = _non_projection_user(user, depth + 1)

@@ -57,6 +57,7 @@ from fuser.engine.match import (
     V,
     describe_value,
     is_symbolic_scalar,
+    movable_shape_query,
     same_scalar,
     scalar_hint,
 )
@@ -189,7 +190,7 @@ def _outside_uses(found: Found) -> tuple[list[Node], list[tuple[Node, Node]]]:
         if c is not None and c.op == "whole":
             continue
         for user in node.users:
-            if user in inside:
+            if user in inside or movable_shape_query(found, node, user):
                 continue
             if user.op == "output":
                 returned.append(node)

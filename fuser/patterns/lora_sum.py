@@ -23,8 +23,8 @@ import torch.fx
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum)
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_same_shape
-from fuser.engine.canonical import canonical, dtype_of, tensor_meta
-from fuser.engine.match import C, Found, Op, S, V, scalar_arg, scalar_hint
+from fuser.engine.canonical import canonical, dtype_of, tensor_meta, value_readers
+from fuser.engine.match import C, Found, Op, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
@@ -257,7 +257,8 @@ def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     mine, theirs, out = (tensor_meta(v) for v in (node, other, user))
     if mine is None or theirs is None or out is None:
         return False
-    return theirs.dtype == mine.dtype == out.dtype and tuple(theirs.shape) == tuple(mine.shape) == tuple(out.shape)
+    same_shape = statically_same_shape(theirs.shape, mine.shape) and statically_same_shape(mine.shape, out.shape)
+    return theirs.dtype == mine.dtype == out.dtype and same_shape
 
 
 def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
@@ -269,11 +270,12 @@ def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     n = 0
     order = {node: i for i, node in enumerate(graph.nodes)}  # the adds and the norms' arguments keep their order
     for node in _rounded_sums(graph):
-        if not all(_residual_add(user, node) for user in node.users):
+        adds = value_readers(node)  # a query of the sum's shape reads the fp32 sum's as well
+        if not adds or not all(_residual_add(user, node) for user in adds):
             continue
         half = tensor_meta(node).dtype
         _keep_fp32(node)
-        for add in list(node.users):
+        for add in adds:
             with graph.inserting_after(add):
                 rounded = graph.call_method("to", (add, half))
             add.replace_all_uses_with(rounded, delete_user_cb=lambda user, keep=rounded: user is not keep)
@@ -341,7 +343,7 @@ def _chain_to_rope(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The views from ``node`` to a ``fuser::rope`` that rotates it (as q or k), if every path leads there; else
     None."""
     chain: list[torch.fx.Node] = []
-    for user in node.users:
+    for user in value_readers(node):
         if user.op == "call_function" and user.target is torch.ops.fuser.rope.default:
             if node not in user.args[:2] or node in user.args[2:]:
                 return None
@@ -375,14 +377,16 @@ def _chain_to_norms(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.N
     None."""
     found: list[tuple[torch.fx.Node, torch.fx.Node]] = []
     norms = _norms_of(node)
-    for user in node.users:
+    for user in value_readers(node):
         if user in norms:
             found.append((node, user))
             continue
         if user.op != "call_method" or user.target not in _VIEWS or user.args[0] is not node:
             return None
-        if any(isinstance(arg, torch.fx.Node) for arg in (*user.args[1:], *user.kwargs.values())):
-            return None  # a view whose shape is computed in the graph: not copied onto the fp32 value
+        # a view whose shape is computed from tensors in the graph is not copied onto the fp32 value; a symbolic
+        # size (a dynamic-shape graph's sequence length) is a number defined before the view, which the copy reads
+        if any(arg is not node and not is_symbolic_scalar(arg) for arg in user.all_input_nodes):
+            return None
         rest = _chain_to_norms(user)
         if rest is None:
             return None
@@ -453,7 +457,8 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
     for node in _rounded_sums(graph):
         base = node.args[0]
         half = tensor_meta(node).dtype
-        operands = _plain_linear(base, half) if isinstance(base, torch.fx.Node) and len(base.users) == 1 else None
+        one_reader = isinstance(base, torch.fx.Node) and len(value_readers(base)) == 1
+        operands = _plain_linear(base, half) if one_reader else None
         if operands is None:
             continue
         with graph.inserting_before(base):
@@ -463,6 +468,7 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
         if example is not None:
             wide.meta["example_value"] = example.to(torch.float32)
         node.args = (wide, *node.args[1:4], False, half)
+        base.replace_all_uses_with(wide)  # its shape queries: the fp32 output has its shape
         graph.erase_node(base)
         n += 1
     return n

@@ -42,7 +42,7 @@ import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_same_shape
 from fuser._dtypes import HALF_DTYPES
-from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta
+from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
@@ -275,7 +275,7 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
     name = f"`{user.name}`"
     if c is not None and c.op == "linear" and c.args[0] is y:
         return _why_not_rebuilt(user, c.args[1], c.args[2] if len(c.args) > 2 else None, y)
-    if c is not None and c.op == "to" and user.users:
+    if c is not None and c.op == "to" and value_readers(user):
         if not config.rms_norm_linear.lora:
             return (
                 f"{name} casts the normalised value for LoRA adapters, whose weight gradients would rebuild it: "
@@ -283,7 +283,7 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
             )
         if not config.enabled("upcast_linear"):
             return f"{name} casts the normalised value for LoRA adapters, and the upcast_linear pattern is off"
-        for lora in user.users:
+        for lora in value_readers(user):
             a = canonical(lora)
             w = tensor_meta(a.args[1]) if a is not None and a.op == "linear" and a.args[0] is user else None
             if w is None or w.dim() != 2 or w.shape[0] > TRITON_MAX_OUT:
@@ -320,12 +320,12 @@ def check_rms_norm_linear(found: Found, variant: Variant, config: FuserConfig) -
     ``rms_norm_linear.lora`` peft's LoRA A adapters (``upcast_linear``) rebuild it in their weight gradient from the
     norm's input and rstd, which the norm's backward saves anyway (``fuser::upcast_linear_normed``). The op is the
     norm's; such a norm counts here, not under ``rms_norm``. Declines (the norm then counts as ``rms_norm``) where
-    anything else reads it."""
+    anything else reads it (a query of its shape is no read)."""
     replacement = check_rms_norm(found, variant, config)
     y = found.root
-    if not y.users:
+    if not value_readers(y):
         raise Decline("nothing reads the normalised value")
-    for user in y.users:
+    for user in value_readers(y):
         reason = _projection_reader(user, y, config)
         if reason is not None:
             raise Decline(reason)
@@ -338,7 +338,7 @@ def _trainable_projections(y: torch.fx.Node, config: FuserConfig) -> list[torch.
     rebuilds it: ``fuser::upcast_linear`` with ``rms_norm_linear.lora``); None when anything else reads it (then
     ``y`` is saved anyway, and a rebuild would only add work)."""
     trainable = []
-    for user in y.users:
+    for user in value_readers(y):
         if user.op == "call_function" and user.target in _LORA_A_OPS and user.args[0] is y:
             if not config.rms_norm_linear.lora:
                 return None
@@ -468,7 +468,7 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
         raise Decline(f"`{late[0]}`, an argument of the norm, is computed after `{add.name}`")
     # the op takes the add's place: nothing may read (and so perhaps modify in place) the sum before the norm does,
     # but for the replaced norm's own upcast of it, left without users until Inductor drops it
-    early = [u.name for u in add.users if order[u] < order[norm] and not _dead_cast(u)]
+    early = [u.name for u in value_readers(add) if order[u] < order[norm] and not _dead_cast(u)]
     if early:
         raise Decline(f"`{early[0]}` reads `{add.name}` before the norm does")
     return a, b

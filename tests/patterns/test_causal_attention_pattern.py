@@ -1,9 +1,10 @@
 """Tier 1: an explicit causal mask passed to SDPA becomes ``is_causal=True`` — only when the mask is proved causal.
 
-The graphs are written as Hugging Face transformers 5.17 builds them under ``torch.compile`` (the mask from
+The graphs are written as Hugging Face transformers 5.17 and 5.25 build them under ``torch.compile`` (the mask from
 ``arange`` comparisons, expanded over the batch; captured from a tiny Llama and copied here by hand), and as
 near-misses that must stay as written: a window with a hole, a two-sided band, a mask written in place, a padding
-mask from the batch, a finite float fill, a random mask, unequal lengths, dynamic shapes.
+mask from the batch, a finite float fill, a random mask, unequal lengths. With dynamic shapes (a symbolic length)
+the mask is proved for every length, and a mask that is causal at the traced length only stays as written.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def hf_5_17(q, k, v):  # transformers 5.17 under torch.compile: arange compariso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=0.3, is_causal=False)
 
 
+def hf_5_25(q, k, v):  # transformers 5.25 under torch.compile: positions from arange, packed-sequence detection
+    b, t = q.shape[0], q.shape[-2]
+    positions = (torch.arange(t, device=q.device) + 0).unsqueeze(0)
+    expanded = positions.expand(b, -1)
+    packed = (torch.diff(expanded, prepend=expanded[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # 0 where none restart
+    batch_idx = torch.arange(b, device=q.device)[:, None, None, None]
+    q_idx = (torch.arange(t, device=q.device) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(t, device=q.device) + 0)[None, None, None, :]
+    positions = positions.expand(b, -1)
+    mask = q_idx.new_ones((), dtype=torch.bool) & (positions[batch_idx, kv_idx] <= positions[batch_idx, q_idx])
+    mask = (mask & (packed[batch_idx, q_idx] == packed[batch_idx, kv_idx])).expand(b, -1, t, t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=0.3, is_causal=False)
+
+
 def tril_bool(q, k, v):  # a plain [T, T] tril of ones
     mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
     return F.scaled_dot_product_attention(q, k, v, mask)
@@ -69,7 +84,7 @@ def float_minus_inf(q, k, v):  # additive float mask: 0 on and below the diagona
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("fn", [hf_5_17, tril_bool, float_minus_inf], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [hf_5_17, hf_5_25, tril_bool, float_minus_inf], ids=lambda f: f.__name__)
 def test_causal_masks_become_is_causal_and_train_the_same(fn, gen):
     q, k, v = qkv(gen)
     report = fuser.explain(fn, q, k, v, config=STRICT)
@@ -247,15 +262,75 @@ def test_unequal_lengths_and_is_causal_already_set(gen):
     assert report.counts == {} and report.near_misses == [], str(report)
 
 
-def test_dynamic_shapes_are_declined_without_block_masks(gen):
-    backend = FuserBackend(WITHOUT_BLOCK_MASKS)
-    compiled = torch.compile(hf_5_17, backend=backend, dynamic=True)
-    q, k, v = qkv(gen)
-    out = compiled(q, k, v)
-    torch.testing.assert_close(out, hf_5_17(q, k, v))
+def _train_at_lengths(fn, backend, gen, lengths=(T, 24)):
+    """Forward and backward of ``fn`` compiled with dynamic shapes, at each of ``lengths``, against eager."""
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    for t in lengths:
+        q, k, v = qkv(gen, t, t)
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        expected = fn(q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [hf_5_17, hf_5_25, tril_bool], ids=lambda f: f.__name__)
+def test_dynamic_shapes_causal_mask_is_proved_for_every_length(fn, gen):
+    """With a symbolic length the mask is proved causal by algebra on its index expressions (one graph serves
+    every length), and each length trains as eagerly."""
+    backend = FuserBackend(STRICT)
+    _train_at_lengths(fn, backend, gen)
+    assert len(backend.results) == 1 and backend.counts == {"causal_attention": 1}, backend.results
+
+
+def causal_up_to_20(q, k, v):  # the causal mask, and keys past position 20 hidden: causal at the traced length only
+    i = torch.arange(q.shape[-2], device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] < 20)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def wrapped_gather(q, k, v):  # each query's previous position, gathered at i - 1: the first wraps around to the last
+    i = torch.arange(q.shape[-2], device=q.device)
+    previous = i[i - 1]  # [T - 1, 0, 1, …]: the formula i - 1 holds except at 0, where query 0 then sees every key
+    mask = i[None, :] <= previous[:, None] + 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_below_length(q, k, v):  # keys below the length: always true, decided by the indices' range
+    t = q.shape[-2]
+    i = torch.arange(t, device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] < t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "fn, reason, static",
+    [
+        (causal_up_to_20, "neither the plain causal mask nor a causal sliding window at every length", True),
+        (upper_triangle, "neither the plain causal mask nor a causal sliding window at every length", False),
+        (window_with_a_hole, "indexes from the end", False),
+        (band, "not read symbolically", False),
+        (float_minus_inf, "not read symbolically", True),  # a float mask: proved at a static length only
+        (wrapped_gather, "not proved inside a dim", False),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_dynamic_shapes_decline_a_mask_not_proved_for_every_length(fn, reason, static, gen):
+    """``causal_up_to_20`` is the causal mask at the traced length 16 (the static graph proves it there), not past
+    20: the dynamic graph, which serves every length, keeps it as written."""
+    backend = FuserBackend(STRICT)
+    _train_at_lengths(fn, backend, gen, lengths=(T, 24, 32))
     assert backend.counts == {}
     reasons = [nm.reason for r in backend.results for nm in r.near_misses]
-    assert any("symbolic" in r for r in reasons), reasons
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert fuser.explain(fn, *qkv(gen), config=STRICT).counts == ({"causal_attention": 1} if static else {})
+
+
+def test_dynamic_shapes_a_comparison_the_ranges_decide_is_read_as_its_value(gen):
+    backend = FuserBackend(STRICT)
+    _train_at_lengths(causal_below_length, backend, gen)
+    assert backend.counts == {"causal_attention": 1}
 
 
 # --- a mask from a graph input, checked at run time (causal_attention.runtime_check) ------------------------------

@@ -199,3 +199,27 @@ def test_sliding_window_families_train_as_in_eager(model_type):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for g, e in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 4096])
+def test_sliding_window_with_dynamic_shapes(window):
+    """A second length recompiles with a symbolic one, where the window is proved for every length: a window longer
+    than the traced sequences (the causal mask at their lengths) is still the window, which a longer one sees."""
+    backend = fuser.dynamo_backend.FuserBackend(STRICT)
+    compiled = torch.compile(hf_sliding, backend=backend)
+    gen = torch.Generator().manual_seed(window)
+    for t in (T, 24, 32):
+        q = torch.randn(B, HQ, t, D, generator=gen).requires_grad_()
+        k, v = (torch.randn(B, HKV, t, D, generator=gen).requires_grad_() for _ in range(2))
+        out = compiled(q, k, v, window)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected = hf_sliding(q, k, v, window)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert [r.recompile for r in backend.results] == [False, True]
+    # the static graph of length 16 proves a window of 4096 to be the causal mask there
+    static = "explicit mask" if window > T else f"window {window}"
+    assert [m.variant for r in backend.results for m in r.matches] == [static, f"window {window}"], [
+        nm.reason for r in backend.results for nm in r.near_misses
+    ]
