@@ -70,7 +70,7 @@ from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
 from fuser.kernels.window_attention import window_mask, window_sdpa
 from fuser.options import check_fields
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
-from fuser.patterns.mask_algebra import INPUT_DEPENDENT, mutates, symbolic_verdict
+from fuser.patterns.mask_algebra import INPUT_DEPENDENT, symbolic_verdict, unmutated_ancestors
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -120,18 +120,6 @@ def causal_sdpa(query, key, value, dropout_p=0.0, scale=None, enable_gqa=False):
     return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale, **kwargs)
 
 
-def _ancestors(node: Node) -> list[Node]:
-    """``node`` and every node of its graph it is computed from, in graph order."""
-    seen: set[Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
 def _on_cpu(value):
     return torch.fx.node.map_aggregate(value, lambda v: torch.device("cpu") if isinstance(v, torch.device) else v)
 
@@ -146,13 +134,7 @@ def _evaluate(mask: Node) -> torch.Tensor:
     """The mask's value, computed on the CPU from the graph's own nodes (following a nested body's input to the
     enclosing graph); Decline when it is not a compile-time constant."""
     env: dict[Node, object] = {}
-    ancestors = _ancestors(mask)
-    inside = set(ancestors)
-    for n in ancestors:  # a value written in place after it was computed is not what its nodes compute
-        for user in n.users:
-            if user not in inside and mutates(user):
-                raise Decline(f"the mask is modified in place by `{user.format_node()}`")
-    for n in ancestors:
+    for n in unmutated_ancestors(mask):
         if n.op == "placeholder":
             outer = n.meta.get(OUTER_VALUE)
             if not isinstance(outer, Node):

@@ -319,12 +319,7 @@ class _Reader:
 
     def __call__(self, node: Node) -> Indexed:
         if node not in self.values:
-            ancestors = _ancestors(node)
-            inside = set(ancestors)
-            for ancestor in ancestors:  # a value written in place after it was computed is not what its nodes compute
-                for user in ancestor.users:
-                    if user not in inside and mutates(user):
-                        raise Decline(f"the mask is modified in place by `{user.format_node()}`")
+            ancestors = unmutated_ancestors(node)
             for ancestor in ancestors:
                 if ancestor not in self.values:
                     self.values[ancestor] = self._read(ancestor)
@@ -436,9 +431,10 @@ def mutates(node: Node) -> bool:
     return node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
 
 
-def _ancestors(node: Node) -> list[Node]:
-    """``node`` and the nodes of its graph it is computed from, in graph order (a nested body's input is read
-    through the enclosing graph's node it receives, by the reader)."""
+def unmutated_ancestors(node: Node) -> list[Node]:
+    """``node`` and every node of its graph it is computed from, in graph order; Decline where one of them is written
+    in place after it was computed (its value is then not what its nodes compute). A nested body's input is read
+    through the enclosing graph's node it receives, by the caller."""
     seen: set[Node] = set()
     stack = [node]
     while stack:
@@ -446,7 +442,11 @@ def _ancestors(node: Node) -> list[Node]:
         if n not in seen:
             seen.add(n)
             stack.extend(n.all_input_nodes)
-    return sorted(seen)
+    for ancestor in seen:
+        for user in ancestor.users:
+            if user not in seen and mutates(user):
+                raise Decline(f"the mask is modified in place by `{user.format_node()}`")
+    return [n for n in node.graph.nodes if n in seen]
 
 
 # ---------------------------------------------------------------------------------------------------------
