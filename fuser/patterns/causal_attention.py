@@ -234,7 +234,7 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
     if isinstance(verdict, str):
         # the run-time check and the block mask read the mask's own values, whatever its length
         if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.runtime_check:
-            return _runtime_checked(found, config)
+            return _runtime_checked(found)
         if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.block_sparse_masks:
             return _block_sparse(found)
         raise Decline(verdict)
@@ -254,7 +254,7 @@ def _folded(k: Node, v: Node, enable_gqa: bool, config: FuserConfig) -> tuple[No
     return k, v, enable_gqa
 
 
-def _runtime_checked(found: Found, config: FuserConfig) -> Replacement:
+def _runtime_checked(found: Found) -> Replacement:
     """The call as :func:`causal_or_masked_sdpa`: sound for any bool mask of the query's length, since the branch
     is chosen by comparing the mask's values on the device. k and v stay as given (no ``gqa_fold``): Inductor's
     post-grad passes fail on a ``torch.cond`` whose branches take the unexpanded k and v ("A subgraph argument
