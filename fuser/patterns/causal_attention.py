@@ -268,17 +268,12 @@ def _runtime_checked(found: Found) -> Replacement:
 def _block_sparse(found: Found) -> Replacement:
     """The call as :func:`block_sparse_sdpa` (``block_sparse_masks``): any bool mask of shape ``[T, T]``, ``[1 or B,
     1, T, T]``, without dropout."""
+    _check_input_mask(found, "the block mask", "FlexAttention has none")
     b = found.bindings
     mask, q = tensor_meta(b["mask"]), tensor_meta(b["q"])
     what = "a mask from graph inputs"
-    if mask.dtype != torch.bool:
-        raise Decline(f"{what} of dtype {mask.dtype} (the block mask takes bool masks)")
-    if b["dropout_p"] != 0:
-        raise Decline(f"{what} with dropout (FlexAttention has none)")
     if q.dim() != 4 or mask.dim() not in (2, 4) or (mask.dim() == 4 and mask.shape[1] != 1):
         raise Decline(f"{what} of shape {tuple(mask.shape)} for a query of shape {tuple(q.shape)}")
-    if not all(statically_equal(n, q.shape[-2]) for n in mask.shape[-2:]):
-        raise Decline(f"{what} of shape {tuple(mask.shape)} for queries and keys of length {q.shape[-2]}")
     if q.shape[-1] > MAX_FLEX_HEAD_DIM:
         raise Decline(f"{what} with heads of {q.shape[-1]} (FlexAttention's kernels take up to {MAX_FLEX_HEAD_DIM})")
     if mask.dim() == 4 and not (statically_equal(mask.shape[0], 1) or statically_equal(mask.shape[0], q.shape[0])):
@@ -375,16 +370,22 @@ def _unrepeated(node: Node) -> tuple[Node, int] | None:
     return kv, n_rep
 
 
-def _check_runtime_variant(found: Found) -> None:
+def _check_input_mask(found: Found, kernel: str, no_dropout_why: str) -> None:
+    """Decline a mask from graph inputs that ``kernel`` (the run-time check, the block mask) cannot take: not bool,
+    not ``[..., T, T]`` for queries and keys of length T, or a call with dropout."""
     b = found.bindings
-    mask_meta = tensor_meta(b["mask"])
-    if mask_meta.dtype != torch.bool:
-        raise Decline(f"a {mask_meta.dtype} mask from graph inputs (the run-time check takes bool masks)")
+    mask = tensor_meta(b["mask"])
+    if mask.dtype != torch.bool:
+        raise Decline(f"a {mask.dtype} mask from graph inputs ({kernel} takes bool masks)")
     length = tensor_meta(b["q"]).shape[-2]
-    if mask_meta.dim() < 2 or not all(statically_equal(n, length) for n in mask_meta.shape[-2:]):
-        raise Decline(f"a mask of shape {tuple(mask_meta.shape)} for queries and keys of length {length}")
+    if mask.dim() < 2 or not all(statically_equal(n, length) for n in mask.shape[-2:]):
+        raise Decline(f"a mask of shape {tuple(mask.shape)} for queries and keys of length {length}")
     if b["dropout_p"] != 0:
-        raise Decline("a mask from graph inputs with dropout (the run-time check does not branch around dropout)")
+        raise Decline(f"a mask from graph inputs with dropout ({no_dropout_why})")
+
+
+def _check_runtime_variant(found: Found) -> None:
+    _check_input_mask(found, "the run-time check", "the run-time check does not branch around dropout")
     if any(n.op == "placeholder" and OUTER_VALUE in n.meta for n in found.root.graph.nodes):
         raise Decline("a mask from graph inputs inside a nested body (checkpointing): no run-time check there")
 
