@@ -80,27 +80,27 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class CausalAttentionConfig:
-    """The causal-attention rewrite's switches (module docstring): the fold on, the runtime check off until
-    measured on a GPU.
-
-    gqa_fold:       a proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
-                    ``enable_gqa=True``, so the backward saves them instead of the copies.
-    runtime_check:  a bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the
-                    device at each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal.
-    sliding_window: a mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's
-                    window kernels (``fuser/kernels/window_attention.py``), which skip the blocks outside it.
-    block_sparse_masks:
-                    a bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``)
-                    runs on FlexAttention (fp16/bf16 on a CUDA GPU) with a block mask built from the mask's own
-                    values on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are
-                    skipped, the others masked element by element. No host synchronisation, no assumption about
-                    the mask. Elsewhere (CPU, fp32) the masked SDPA as written. ``runtime_check`` takes precedence.
-    """
+    """The causal-attention rewrite's switches (module docstring); each field is described under it."""
 
     gqa_fold: bool = True
+    """A proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
+    ``enable_gqa=True``, so the backward saves them instead of the copies."""
+
     runtime_check: bool = False
+    """A bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the device at
+    each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal. Inductor reads the ``cond``'s
+    predicate on the host: one synchronisation per call."""
+
     sliding_window: bool = True
+    """A mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's window kernels
+    (``fuser/kernels/window_attention.py``, fp16/bf16 on a GPU), which skip the blocks outside it."""
+
     block_sparse_masks: bool = False
+    """A bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``) runs on
+    FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
+    on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
+    element by element. No host synchronisation, no assumption about the mask. Elsewhere (CPU, fp32) the masked SDPA
+    as written. ``runtime_check`` takes precedence."""
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")

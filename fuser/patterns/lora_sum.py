@@ -38,29 +38,22 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class LoraSumConfig:
-    """How a LoRA sum that must be stored rounded is computed.
-
-    fp32_base:  a sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to
-                the base linear's fp32 output (``fuser::linear_wide``: cuBLAS's accumulator, not rounded) and
-                rounds once. Rounding the base to bf16 first erases every LoRA term below half an ulp of it (a
-                bf16 base is on the bf16 grid, so the second rounding returns it), as eager and Inductor do: at
-                LoRA learning rates most of v_proj's update (issue 16). Default ``True``; costs one fp32
-                ``[tokens, out]`` write and read per such sum.
-    gated_in_slices:
-                the fp32 gate and up sums a gated activation computes its product from (kept unrounded for
-                issue 16) are formed and consumed in row slices of at most 256 MiB each
-                (``fuser::gated_activation_of_lora_sums``, put in place by a post-grad pass, forward and
-                checkpointed recompute alike) instead of as two whole ``[tokens, intermediate]`` fp32 tensors:
-                3.5 GiB live at once on Llama-3-8B at 32,768 tokens under gradient checkpointing, which took its
-                peak from 28.8 to 31.5 GiB (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md). The same
-                kernels compute the same values, bit for bit (checked on CPU, reference and Triton-interpreter
-                paths). Default ``False``: measured on the H200 it took that job's peak only to 30.3 GiB (the peak
-                is then set elsewhere) and made it and the 4×2048 job 0.4 % slower
-                (train_step_variants_gated_in_slices_h200_2026-12-03_0413.md).
-    """
+    """How a LoRA sum that must be stored rounded, or kept in fp32, is computed; each field is described under it."""
 
     fp32_base: bool = True
+    """A sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to the base
+    linear's fp32 output (``fuser::linear_wide``: cuBLAS's accumulator, not rounded) and rounds once. Rounding the
+    base to bf16 first erases every LoRA term below half an ulp of it (a bf16 base is on the bf16 grid, so the second
+    rounding returns it), as eager and Inductor do: at LoRA learning rates, most of v_proj's update. Costs one fp32
+    ``[tokens, out]`` write and read per such sum."""
+
     gated_in_slices: bool = False
+    """The fp32 gate and up sums a gated activation computes its product from (kept unrounded, for the reason
+    ``fp32_base`` gives) are formed and consumed in row slices of at most 256 MiB each
+    (``fuser::gated_activation_of_lora_sums``, put in place by a post-grad pass, forward and checkpointed recompute
+    alike) instead of as two whole ``[tokens, intermediate]`` fp32 tensors. The same kernels compute the same values,
+    bit for bit. Off: it lowers the peak only where those sums set it (long, checkpointed sequences), and costs a
+    little speed."""
 
     def __post_init__(self) -> None:
         check_fields(self, "lora_sum")

@@ -61,16 +61,13 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class RmsNormLinearConfig:
-    """The ``rms_norm_linear`` pattern's switch.
-
-    lora:  also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight
-           gradients rebuild the normalised value from the norm's input and rstd (``fuser::upcast_linear_normed``)
-           instead of saving it. Default ``False``: on the H200 it took Llama-3-8B LoRA's peak from 46.7 to
-           42.8 GiB at 0.7 % fewer tokens/s (benchmarks/results/LOG.md, 2026-12-02 07:20). Under full fine-tuning
-           the pattern needs no switch: there it was both smaller and faster.
-    """
+    """The ``rms_norm_linear`` pattern's switch, described under it."""
 
     lora: bool = False
+    """Also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight gradients
+    rebuild the normalised value from the norm's input and rstd (``fuser::upcast_linear_normed``) instead of saving
+    it. Off: it saves memory at some cost in speed. Under full fine-tuning the pattern needs no switch: there it is
+    both smaller and faster."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm_linear")
@@ -78,32 +75,26 @@ class RmsNormLinearConfig:
 
 @dataclass(frozen=True)
 class RmsNormConfig:
-    """The ``rms_norm`` pattern's switch (it holds for the norms ``rms_norm_linear`` takes too).
-
-    residual_add:  a residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused
-                   norm reads (every decoder layer's ``h = h + attn_out`` before its next norm, under full
-                   fine-tuning) becomes one ``fuser::add_rms_norm``: the add, its rounding (the residual stream's
-                   next value) and the norm in one kernel, and in the backward the residual stream's gradient added
-                   to the norm's input gradient by the norm's own kernel (:func:`add_residuals_into_norms`). The
-                   norm reads the sum before its rounding, and the gradients are added in fp32 and rounded once: as
-                   close to fp32 as the separate add, or closer. Under autocast with fp32 weights (a trainer's
-                   ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the
-                   op takes those too, and its step is the step without it, bit for bit (fp32 sums either way). LoRA
-                   sums added to the residual are lora_sum's.
-    gradient_sums: a norm's output gradient that the backward graph forms as a sum of two to four terms (the input
-                   gradients of the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward
-                   kernel as it loads the terms, in fp32: the sum is not written, read back, or rounded first
-                   (:mod:`fuser.patterns.norm_grad_sums`). On by default: on the H200 it took the norm backwards and
-                   the add kernels before them from 2.27 to 1.61 ms a Llama-3.2-1B full fine-tuning step (one
-                   profiled run each); the whole step's time moved by −0.4 and +0.7 ms in two runs, within the
-                   ±1 ms the matmuls vary between processes (``benchmarks/results/norm_grad_sums_h200_2026-12-03.md``).
-                   With it, a norm backward whose terms are all half-precision values widened to fp32 (autocast's
-                   casts, under fp32 weights) reads them unwidened and widens them as it loads them (the post-grad
-                   pass ``norm_grad_upcasts``): the same sum, without writing and reading an fp32 copy of each term.
-    """
+    """The ``rms_norm`` pattern's switches (they hold for the norms ``rms_norm_linear`` takes too); each field is
+    described under it."""
 
     residual_add: bool = True
+    """A residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused norm reads (every
+    decoder layer's ``h = h + attn_out`` before its next norm, under full fine-tuning) becomes one
+    ``fuser::add_rms_norm``: the add, its rounding (the residual stream's next value) and the norm in one kernel, and
+    in the backward the residual stream's gradient added to the norm's input gradient by the norm's own kernel
+    (:func:`add_residuals_into_norms`). The norm reads the sum before its rounding, and the gradients are added in
+    fp32 and rounded once: as close to fp32 as the separate add, or closer. Under autocast with fp32 weights (a
+    trainer's ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the op
+    takes those too, and its step is the step without it, bit for bit. LoRA sums added to the residual are
+    lora_sum's."""
+
     gradient_sums: bool = True
+    """A norm's output gradient that the backward graph forms as a sum of two to four terms (the input gradients of
+    the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward kernel as it loads the terms,
+    in fp32: the sum is not written, read back, or rounded first (:mod:`fuser.patterns.norm_grad_sums`). With it, a
+    norm backward whose terms are all half-precision values widened to fp32 (autocast's casts, under fp32 weights)
+    reads them unwidened and widens them as it loads them (the post-grad pass ``norm_grad_upcasts``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm")
