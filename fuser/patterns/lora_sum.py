@@ -5,8 +5,8 @@ peft keeps adapters in fp32 and writes ``result = result + lora_B(lora_A(dropout
 base dtype (variant "peft bitsandbytes", computed in that order). The op (``fuser/kernels/lora_sum.py``) computes
 that sum and its gradients without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs
 before the other patterns: the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take
-the op's half-precision output as their input instead. On by default since its first GPU measurement (H200,
-Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/LOG.md``).
+the op's half-precision output as their input instead. On by default since its first GPU measurement
+(``docs/defaults.md``, ``lora_sum``).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def _split_wide(graph: torch.fx.Graph, node: torch.fx.Node) -> tuple[torch.fx.No
 
 def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
     """A LoRA sum that feeds a gated activation as its gate or up → ``fuser::lora_sum_wide``: the gated op computes
-    its product from the unrounded fp32 sum and saves the rounded one (issue 16: rounding ``base + s · lora`` to
+    its product from the unrounded fp32 sum and saves the rounded one (rounding ``base + s · lora`` to
     bf16 erases a LoRA term smaller than half the base's ulp, and Inductor, which fuses peft's cast into the
     consumer, does not round there); returns how many sums."""
     import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
@@ -257,7 +257,7 @@ def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     """A LoRA sum whose only users are residual adds (o_proj, down_proj: ``h = h + sum``) stays fp32 and each add
     rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
-    would erase a LoRA term below half the base's ulp (issue 16). Where the new residual feeds an RMSNorm (the
+    would erase a LoRA term below half the base's ulp. Where the new residual feeds an RMSNorm (the
     next norm of every decoder layer), the add and the norm become one ``fuser::add_rms_norm``, which normalises
     the unrounded sum; elsewhere a norm of it gets the fp32 add as ``x_wide``. Returns how many sums."""
     n = 0
@@ -352,7 +352,7 @@ def _chain_to_rope(node: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 def sum_into_rope(graph: torch.fx.Graph) -> int:
     """A LoRA sum that only RoPE reads (q_proj, k_proj, through views) stays fp32: the rope op reads the fp32 q or
-    k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation (issue 16).
+    k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation.
     Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
@@ -390,7 +390,7 @@ def _chain_to_norms(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.N
 def sum_into_norms(graph: torch.fx.Graph) -> int:
     """A LoRA sum that only RMSNorms read (through views) → ``fuser::lora_sum_wide``: each norm is computed from the
     fp32 sum (its ``x_wide``, the same views applied) and saves the rounded one, as Inductor computes a norm fused
-    with peft's cast (issue 16). Returns how many sums."""
+    with peft's cast. Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
         uses = _chain_to_norms(node)
@@ -468,7 +468,8 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
 
 
 def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
-    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16), then, for the sums
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (a bf16 rounding of the sum
+    erases a LoRA term below half the base's ulp), then, for the sums
     that stay rounded, the base's fp32 value (``LoraSumConfig.fp32_base``)."""
     _drop_dead_casts(graph)
     n = (

@@ -203,7 +203,7 @@ def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Repla
 
     # The casts inside the block (the normalised value's to the input dtype before the weight multiply, Llama's and
     # aten's rms_norm's) are not reproduced: Inductor fuses them with the multiply and elides the round trip, and the
-    # single rounding of the product is closer to fp32 (issue 16). The op's ``norm_dtype`` stays None. That holds
+    # single rounding of the product is closer to fp32. The op's ``norm_dtype`` stays None. That holds
     # for a cast to a dtype the op computes for; one to fp64 or an integer type computes something else.
     for node in found.nodes[1:]:
         cast = canonical(node)
@@ -370,8 +370,8 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     ``.to`` per projection as autocast's own, not the op body's: Inductor then casts the norm's output once for all
     its projections (their forward casts are one expression) and each weight once, for the forward and the saved
     copy the backward reads, where the op's body cast ``y`` once per projection and each weight a second time, in
-    eager kernels (the Llama-3.2-1B autocast step: 160 such casts, 4.1 ms on an H100,
-    ``benchmarks/results/profile_llama32-1b-full-amp_fuser_h100_2026-12-06.md``). The gradients are the same
+    eager kernels, a cast per projection and layer that took measurable time in an autocast step
+    (``docs/notes/kernels.md``, autocast casts). The gradients are the same
     values: the op's bf16 dx and dW, cast to fp32 by each ``.to``'s backward, each projection's dx its own term
     of the fp32 sum, as eager autocast sums them."""
     n = 0
@@ -407,7 +407,8 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
 
 def _lora_sum_kept_wide(node: object) -> bool:
     """A ``fuser::lora_sum`` that rounds its sum (peft's order): lora_sum's refinements, which run after this one,
-    add such a sum to the residual in fp32 before the norm (issue 16), and take the add themselves."""
+    add such a sum to the residual in fp32 before the norm (so that its rounding does not erase a small LoRA term),
+    and take the add themselves."""
     return (
         isinstance(node, torch.fx.Node)
         and node.target is torch.ops.fuser.lora_sum.default
@@ -446,7 +447,10 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
         raise Decline(f"`{add.name}` adds tensors on different devices")
     wide = [v.name for v in (a, b) if _lora_sum_kept_wide(v)]
     if wide:
-        raise Decline(f"`{wide[0]}` is a LoRA sum: lora_sum's refinement adds it to the residual in fp32 (issue 16)")
+        raise Decline(
+            f"`{wide[0]}` is a LoRA sum: lora_sum's refinement adds it to the residual in fp32, so that rounding "
+            "does not erase a LoRA term smaller than half the residual's ulp"
+        )
     norms = [u for u in add.users if u.op == "call_function" and u.target in _NORM_OPS]
     if norms != [norm]:
         raise Decline(f"`{add.name}` feeds {len(norms)} norms: the op absorbs an add into one")
@@ -535,8 +539,8 @@ RMS_NORM = Pattern(
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
 )
 
-# on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
-# the H200 (benchmarks/results/LOG.md, 2026-12-02 07:04); for LoRA, RmsNormLinearConfig.lora says why it is off
+# on by default: under full fine-tuning it lowers the peak and costs no speed (docs/defaults.md, rms_norm_linear); for
+# LoRA, RmsNormLinearConfig.lora says why the norms its adapters read are left out
 RMS_NORM_LINEAR = Pattern(
     "rms_norm_linear",
     VARIANTS,
