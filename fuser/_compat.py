@@ -505,11 +505,11 @@ _KERNEL_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 
 def memoized_kernel_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
     """``analysis(kernel, kwargs, tma_descriptor_metadata)``, computed once per kernel and per what it reads of the
-    arguments. It compiles the kernel to Triton IR on each call (about 17 ms on CI's CPU) for tensors of the given
-    dtypes (``generate_ttir`` stands a 2-element tensor of the dtype in for each tensor, 2 for each symbolic value)
-    and the given constants; Inductor calls it two or three times for every launch in a graph, so that a model of
-    many inlined calls (``FuserConfig.inline_ops``) spends minutes compiling what a few kernels' signatures
-    determine. Each call returns its own copy of the result."""
+    arguments. It compiles the kernel to Triton IR on each call (milliseconds each: ``docs/notes/host-overhead.md``)
+    for tensors of the given dtypes (``generate_ttir`` stands a 2-element tensor of the dtype in for each tensor, 2
+    for each symbolic value) and the given constants; Inductor calls it two or three times for every launch in a
+    graph, so that a model of many inlined calls (``FuserConfig.inline_ops``) spends minutes compiling what a few
+    kernels' signatures determine. Each call returns its own copy of the result."""
     cache: dict[Any, Any] = {}
 
     def arg_key(value: Any) -> Any:

@@ -1,10 +1,22 @@
-"""FuserConfig: every knob of the optimizer, as one frozen (hashable) dataclass."""
+"""FuserConfig: every knob of the optimizer, as one frozen (hashable) dataclass.
+
+Each option is described once, by the docstring written under its field (here, and in each pattern's options
+dataclass). :func:`field_descriptions` reads them from the source; :func:`options_reference` renders them as
+FuserConfig's docstring and as ``docs/options.md`` (``python scripts/options_doc.py`` writes it, and
+``tests/test_options_doc.py`` fails when it is out of date).
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fuser.options import build as build_options
 from fuser.patterns import PATTERNS
@@ -32,109 +44,107 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FuserConfig:
-    """What fuser rewrites and what compiles the result.
+    """What fuser rewrites and what compiles the result: a frozen dataclass, validated when built.
 
-    patterns:        names of the patterns to apply (``None``: every registered pattern that is on by default;
-                     ``fuser.DEFAULT_PATTERNS`` names them).
-    inner_compiler:  what compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
-    keep_logits:     when a training graph returns the logits it computes the loss from, keep them: the
-                     ``linear_cross_entropy`` pattern then leaves that loss unfused. ``False`` (default): the loss
-                     is fused and the logits are never computed; the graph returns ``None`` in their place
-                     (``outputs.logits is None``). Evaluation (no gradient wanted) always keeps returned logits.
-    strict:          raise instead of falling back to the unrewritten graph when the rewrite fails (tests use it).
-    ignore_logging:  while Dynamo traces the calls that ``fuser.optimize``, ``optimize_`` and ``explain`` compile,
-                     skip the ``logging.Logger`` methods that print a message at most once (transformers'
-                     ``warning_once``, ``info_once``) instead of breaking the graph there (default ``True``): a
-                     GPT-2-style model's ``loss_function`` logs one between its lm_head and its loss, which could
-                     not fuse across the break. Their message is then not printed by compiled code. Scoped to
-                     those calls (``fuser/tracing.py``); ``torch.compile(m, backend="fuser")`` cannot apply it.
-    checkpoint_side_effects: while Dynamo traces those same calls, a gradient-checkpointed layer that changes
-                     Python state is traced, not run eagerly (default ``True``): Dynamo then applies the change
-                     once, in the forward, and does not replay it when the backward recomputes the layer (its
-                     ``skip_fwd_side_effects_in_bwd_under_checkpoint``). transformers >= 5.25 with the ``kernels``
-                     package sets and restores a context variable in each attention layer's forward (its kernel
-                     routing), so without this every checkpointed decoder layer breaks the graph and nothing in
-                     it fuses: TRL's ``SFTTrainer``, which checkpoints by default, among them. Set ``False`` for a
-                     model whose checkpointed layers need a side effect replayed. Scoped like ``ignore_logging``.
-    direct_calls:    Inductor's compiled graphs call the fused ops through their ``direct`` overloads (default
-                     ``True``): the same functions without the custom-op wrapper and autograd kernel, which graphs
-                     past AOT autograd never need, to save host time per call (``fuser/engine/direct_calls.py``).
-    inline_ops:      Inductor launches the fused ops' Triton kernels from its generated code (default ``True``):
-                     each call in a compiled GPU graph is replaced, at compile time, by what its Python body does
-                     for those shapes (its buffers and kernel launches), so a call no longer runs that body (70–250
-                     µs of host time each on the H200's host). Same kernels, same arguments. It helps a host-bound
-                     step (Gemma-3-4B LoRA: 0.98x Inductor with calls on the H200, 1.3x with it there, 1.34x in one
-                     run on an H100) and leaves a GPU-bound one as it was. Measured after the 2026-12-06 fix, a
-                     full fine-tune's memory is that of the calls (the first backward's gradients were kept
-                     before). It costs compile time (Gemma on the H200: 134-192 s against the calls' 99 s; on an
-                     H100 146 s against Inductor's own 154 s:
-                     ``benchmarks/results/inline_ops_default_h100_2026-12-06.md``). A call that might not compute
-                     the same inlined (it writes an input, its shapes are dynamic, it calls a matmul that the
-                     caller's autocast would change, its tensors are not on a GPU) stays a call;
-                     ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps
-                     every call, e.g. to compare or to debug a kernel from Python.
-    embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
-                     one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
-                     Inductor's zero-filled fp32 buffer, scatter and cast.
-    cuda_graphs:     Inductor records the compiled forward and backward graphs as CUDA graphs and replays them
-                     (its ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on; default ``False``). A step
-                     then costs the host microseconds instead of a launch per kernel, for models whose step is
-                     host-bound (many short kernels: Gemma-3-4B LoRA on an H200). The costs: more GPU memory (the
-                     graphs' own memory pool: +7.3 GiB on that model), one recording per new input shape (pad
-                     batches to a few fixed lengths), and a step's outputs are overwritten by the next replay
-                     (``.clone()`` what is kept; a loop that does not run forward then backward each step calls
-                     ``torch.compiler.cudagraph_mark_step_begin()`` first). A graph Inductor will not record (CPU
-                     tensors, an input mutated in place) runs as before; fuser warns where Inductor declines it
-                     while fuser compiles the forward (a backward compiles later: ``TORCH_LOGS=cudagraphs`` shows
-                     every graph declined). Needs
-                     ``inner_compiler="inductor"``. Gradient accumulation works: where ``.grad`` was ``None``,
-                     autograd keeps the backward replay's output buffer itself as ``.grad`` (PyTorch issue 169545),
-                     and fuser copies it out of the graphs' memory before the next call replays over it
-                     (``fuser/engine/graph_pool_grads.py``); without accumulation nothing is copied.
-
-    Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
-    is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
-    out keep their defaults:
-
-    linear_cross_entropy:  :class:`LinearCrossEntropyConfig` ``(dw_kernel="cublas", dw_accumulator="input",
-                           streams=True)``: how the fused loss accumulates the lm_head's weight gradient.
-    causal_attention:      :class:`CausalAttentionConfig` ``(gqa_fold=True, runtime_check=False, sliding_window=True,
-                           block_sparse_masks=False)``.
-    gated_mlp:             :class:`GatedMLPConfig` ``(recompute_for_down_weight=True, backward_in_place=True,
-                           backward_writes_product=True)``, for swiglu and geglu.
-    upcast_linear:         :class:`UpcastLinearConfig` ``(triton=True, recompute_gated_input=True,
-                           group_shared_inputs=True)``; ``triton`` also switches lora_sum's kernels, which are the
-                           same.
-    lora_sum:              :class:`LoraSumConfig` ``(fp32_base=True, gated_in_slices=False)``: a LoRA sum stored
-                           rounded adds its term to the base linear's unrounded fp32 output; the gated MLP's fp32
-                           gate/up sums are formed in row slices (off: measured slower, and not enough memory saved).
-    rms_norm:              :class:`RmsNormConfig` ``(residual_add=True, gradient_sums=True)``: a residual add
-                           before a fused norm joins the norm's op, forward and backward; the norm's backward sums
-                           its projections' input gradients itself.
-    rms_norm_linear:       :class:`RmsNormLinearConfig` ``(lora=False)``: whether norms that feed peft's LoRA A
-                           adapters are taken too.
-
-    e.g. ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
+    Each field is described by the docstring written under it (a pattern's options under their own dataclass's
+    fields); the list below and ``docs/options.md`` are generated from those descriptions. Give a pattern's options
+    as its dataclass or as a dict of its fields, the fields left out keeping their defaults:
+    ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
     ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": False}})``.
     """
 
     patterns: tuple[str, ...] | None = None
+    """Names of the patterns to apply (the keys of ``fuser.explain(...).counts``). ``None`` applies every registered
+    pattern that is on by default (``fuser.DEFAULT_PATTERNS`` names them); a tuple applies only the names in it, so
+    leaving a name out turns that block off."""
+
     inner_compiler: str = "inductor"
+    """What compiles the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``. Inductor also optimises
+    everything fuser leaves unfused, and only it runs the post-grad passes (``gated_mlp.backward_in_place``,
+    ``embedding_grads``, ``inline_ops``, ``cuda_graphs``); the other two are for debugging."""
+
     keep_logits: bool = False
+    """When a training graph returns the logits it computes the loss from, keep them: the ``linear_cross_entropy``
+    pattern then leaves that loss unfused. ``False``: the loss is fused, the ``[tokens, vocab]`` logits are never
+    computed, and the graph returns ``None`` in their place (``outputs.logits is None``). Evaluation (no gradient
+    wanted) always returns the logits."""
+
     strict: bool = False
+    """Raise ``fuser.FuserError`` instead of warning and compiling the unrewritten graph when a rewrite fails.
+    Tests use it, so that a silent fallback cannot pass."""
+
     ignore_logging: bool = True
+    """While Dynamo traces the calls that ``fuser.optimize``, ``optimize_`` and ``explain`` compile, skip the
+    ``logging.Logger`` methods that print a message at most once (transformers' ``warning_once``, ``info_once``)
+    instead of breaking the graph there: a GPT-2-style model's ``loss_function`` logs one between its lm_head and its
+    loss, which then could not fuse across the break. Their message is then not printed by compiled code. Scoped to
+    those calls (``fuser/tracing.py``), never set globally; ``torch.compile(m, backend="fuser")`` gives fuser no hook
+    around its calls, so there the break stays."""
+
     checkpoint_side_effects: bool = True
+    """While Dynamo traces those same calls, a gradient-checkpointed layer that changes Python state is traced, not
+    run eagerly (Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``): the change is applied once, in the
+    forward, and not replayed when the backward recomputes the layer. transformers >= 5.25 with the ``kernels`` package
+    sets and restores a context variable in each attention layer's forward, so without this every checkpointed decoder
+    layer runs eagerly and nothing in it fuses (TRL's ``SFTTrainer`` checkpoints by default). Set ``False`` for a
+    model whose checkpointed layers need a side effect replayed. Scoped like ``ignore_logging``; under
+    ``torch.compile(m, backend="fuser")`` set the Dynamo flag yourself."""
+
     direct_calls: bool = True
+    """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
+    and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
+    host time on every call (``fuser/engine/direct_calls.py``)."""
+
     inline_ops: bool = True
+    """Inductor launches the fused ops' Triton kernels from its generated code: each call in a compiled GPU graph is
+    replaced, at compile time, by what its Python body does for those shapes (its buffers and kernel launches), so
+    no op body runs per call. Same kernels, same arguments. It helps a step whose host cannot launch kernels as fast
+    as the GPU runs them, leaves a GPU-bound one as it was, and costs compile time. A call that might not compute the
+    same inlined (it writes an input, its shapes are dynamic, it calls a matmul that the caller's autocast would
+    change, its tensors are not on a GPU) stays a call; ``fuser.report(model).not_inlined`` says why
+    (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g. to compare or to debug a kernel from Python."""
+
     embedding_grads: bool = True
+    """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
+    (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
+    sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
+    Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
+    (``fuser/patterns/embedding_grads.py``)."""
+
     cuda_graphs: bool = False
+    """Inductor records the compiled forward and backward graphs as CUDA graphs and replays them (its
+    ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on), so a step costs the host microseconds instead of
+    a launch per kernel: for steps the host cannot launch as fast as the GPU runs them. The costs: more GPU memory
+    (the graphs' own pool), one recording per new input shape (pad batches to a few fixed lengths), and a replay
+    overwrites the last step's outputs (``.clone()`` what is kept; a loop that does not run forward then backward each
+    step calls ``torch.compiler.cudagraph_mark_step_begin()`` first). A graph Inductor will not record (CPU tensors,
+    an input mutated in place) runs as before; fuser warns where Inductor declines the forward
+    (``TORCH_LOGS=cudagraphs`` shows every graph declined). Needs ``inner_compiler="inductor"``. Gradient
+    accumulation works: where ``.grad`` was ``None``, autograd keeps the backward replay's output buffer itself as
+    ``.grad``, so fuser copies such a ``.grad`` out of the graphs' memory before the next call replays over it
+    (``fuser/engine/graph_pool_grads.py``); a step without accumulation copies nothing."""
+
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
+    """How the fused lm_head + cross-entropy forms the lm_head's weight gradient."""
+
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
+    """What the causal-attention rewrite does with a mask it proves causal, a sliding window, or a mask from the
+    batch."""
+
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
+    """What the gated MLP's fused op (``swiglu`` and ``geglu`` both) does beyond the forward it replaces."""
+
     upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
+    """The upcast linear's (and lora_sum's) kernels and refinements."""
+
     lora_sum: LoraSumConfig = field(default_factory=LoraSumConfig)
+    """How a LoRA sum is computed where it must be stored rounded or kept in fp32."""
+
     rms_norm: RmsNormConfig = field(default_factory=RmsNormConfig)
+    """What a fused RMSNorm takes in besides the norm (it holds for the norms ``rms_norm_linear`` takes too)."""
+
     rms_norm_linear: RmsNormLinearConfig = field(default_factory=RmsNormLinearConfig)
+    """Which norms the ``rms_norm_linear`` pattern (a norm fused with the projections that read it) takes."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
@@ -205,3 +215,134 @@ def _pattern_options() -> dict[str, type]:
         for f in dataclasses.fields(FuserConfig)
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
     }
+
+
+@functools.cache
+def _class_bodies(path: str) -> dict[str, list[ast.stmt]]:
+    """The top-level classes of the module at ``path``, by name, parsed once."""
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), path)
+    return {node.name: node.body for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@functools.cache
+def field_descriptions(cls: type) -> dict[str, str]:
+    """Each field of the dataclass ``cls`` that has a description: the string literal written right under the field
+    in the class body (an attribute docstring, as Sphinx reads them), by field name. Empty where the source cannot
+    be read (an install without ``.py`` files): the descriptions are documentation, nothing depends on them."""
+    try:
+        body = _class_bodies(inspect.getfile(cls))[cls.__name__]
+    except (OSError, TypeError, KeyError, SyntaxError):
+        return {}
+    found = {}
+    for stmt, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            found[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return found
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_text(cls: type, f: dataclasses.Field) -> str:
+    """The field's type as a reader writes its values: ``bool``, ``"cublas" | "triton"``, or the annotation."""
+    hint = _type_hints(cls).get(f.name)
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(f'"{value}"' for value in typing.get_args(hint))
+    return hint.__name__ if isinstance(hint, type) else str(f.type)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default).replace("'", '"')
+    return f"{f.default_factory.__name__}()"
+
+
+def _markdown(text: str) -> str:
+    """A docstring's reST markup as Markdown: ````x```` → ```x```, ``:class:`X``` → ```X```."""
+    return re.sub(r":(?:class|func|mod|meth):`([^`]+)`", r"`\1`", text).replace("``", "`")
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation other than ``-`` and ``_`` dropped."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def options_reference(markdown: bool = False) -> str:
+    """Every option of :class:`FuserConfig`, from the descriptions under its fields and under the fields of each
+    pattern's options dataclass: plain text for FuserConfig's docstring, or Markdown (``docs/options.md``)."""
+    rows = []  # (dotted name, type, default, description)
+    for f in dataclasses.fields(FuserConfig):
+        described = field_descriptions(FuserConfig).get(f.name, "")
+        nested = _pattern_options().get(f.name)
+        if nested is None:
+            rows.append((f.name, _type_text(FuserConfig, f), _default_text(f), described))
+            continue
+        rows.append((f.name, nested.__name__, "", described))
+        for g in dataclasses.fields(nested):
+            sub = field_descriptions(nested).get(g.name, "")
+            rows.append((f"{f.name}.{g.name}", _type_text(nested, g), _default_text(g), sub))
+    if not markdown:
+        lines = []
+        for name, kind, default, described in rows:
+            indent = "    " * name.count(".")
+            lines.append(f"{indent}{name.rsplit('.', 1)[-1]}: {kind}" + (f" = {default}" if default else ""))
+            pad = indent + "    "
+            wrapped = textwrap.fill(described, 112, initial_indent=pad, subsequent_indent=pad, break_on_hyphens=False)
+            lines.append(wrapped)
+        return "\n".join(lines)
+    out = [
+        "# Options",
+        "",
+        "<!-- Generated by `python scripts/options_doc.py` from the docstring under each field of",
+        "     fuser/config.py's FuserConfig and of each pattern's options dataclass: edit those, then run it.",
+        "     tests/test_options_doc.py fails when this file is out of date. -->",
+        "",
+        "Every behaviour switch of fuser is a field of `fuser.FuserConfig`; there are no environment variables or",
+        "module flags. Pass a config as `fuser.optimize(model, config)` / `fuser.optimize_(model, config)` (a",
+        "`FuserConfig` or a dict of its fields), or by name as",
+        '`torch.compile(model, backend="fuser", options={...})`. A pattern\'s options are a nested dict whose',
+        'left-out fields keep their defaults: `FuserConfig(gated_mlp={"backward_in_place": False})`,',
+        '`options={"linear_cross_entropy": {"dw_accumulator": "fp32"}}`. Why each default is what it is:',
+        "[defaults.md](defaults.md).",
+        "",
+        "| option | type | default |",
+        "|---|---|---|",
+    ]
+    for name, kind, default, _ in rows:
+        shown = f"`{default}`" if default else "(its options below)"
+        kind = kind.replace("|", "\\|")  # a bar inside a table cell, even in code, ends the cell
+        out.append(f"| [`{name}`](#{_anchor(name)}) | `{kind}` | {shown} |")
+    for name, kind, default, described in rows:
+        level = "###" if "." in name else "##"
+        out += ["", f"{level} {name}", ""]
+        if default:
+            out += [f"`{kind}`, default `{default}`.", ""]
+        out.append(textwrap.fill(_markdown(described) or "(no description yet)", 120, break_on_hyphens=False))
+    return "\n".join(out) + "\n"
+
+
+class _WithOptionsReference:
+    """A class docstring followed by :func:`options_reference`, rendered when first read (``help(FuserConfig)``,
+    ``FuserConfig.__doc__``) rather than at import: ``type.__doc__`` calls a descriptor found under ``__doc__``."""
+
+    def __init__(self, intro: str) -> None:
+        self.intro = inspect.cleandoc(intro)
+
+    @functools.cached_property
+    def text(self) -> str:
+        return f"{self.intro}\n\nFields:\n\n{options_reference()}\n"
+
+    def __get__(self, instance: object, owner: type | None = None) -> str:
+        return self.text
+
+
+FuserConfig.__doc__ = _WithOptionsReference(FuserConfig.__doc__ or "")

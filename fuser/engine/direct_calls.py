@@ -4,11 +4,9 @@ A ``torch.library.custom_op`` is called through two Python layers before its fun
 (which, with grad mode off, re-dispatches below autograd) and the backend wrapper (output-alias checks, a
 ``torch._dynamo.disable`` frame). Inductor's compiled forward and backward call every fused op that way, with grad
 mode off, after AOT autograd has already taken the ops' autograd formulas apart; the layers then cost host time
-and do nothing. On a CPU like CI's an empty custom op costs 7.4 µs a call against 2.0 µs for the same function
-registered as a plain dispatcher kernel; on the H200's host the layers cost 9–118 µs per fused-op call, most for
-ops with several results (``rms_norm_backward`` 214 → 103 µs; ``benchmarks/results/direct_calls_h200_2026-12-02_
-1220.md``). A LoRA training step calls fused ops hundreds of times, and where its kernels are short the GPU waits on
-that host time.
+and do nothing: an empty custom op costs several times the host time of the same function registered as a plain
+dispatcher kernel, most for ops with several results (measurements: ``docs/notes/host-overhead.md``). A LoRA
+training step calls fused ops hundreds of times, and where its kernels are short the GPU waits on that host time.
 
 So every functional ``fuser::<op>`` gets a second overload, ``fuser::<op>.direct``: the same schema and tags, the
 same function registered as its kernel for every device, the same fake; no autograd formula (it is only ever

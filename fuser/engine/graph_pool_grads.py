@@ -5,7 +5,8 @@ When a parameter's ``.grad`` is ``None``, autograd's ``AccumulateGrad`` does not
 keeps that very tensor as ``.grad`` (it "steals" it). The next replay (the next micro-batch's forward) writes the
 same pool memory, so under gradient accumulation the first micro-batch's ``.grad`` is overwritten before the second
 adds to it: torch raises "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"
-(PyTorch issue 169545; issue 96693 reports wrong sums without an error). The same happens after
+(a known PyTorch behaviour, linked from ``docs/defaults.md``, ``cuda_graphs``; older releases summed wrongly
+without an error). The same happens after
 ``zero_grad(set_to_none=False)``, which zeroes the pool buffer in place.
 
 Here, each call of a compiled graph first moves every ``.grad`` that is still a previous backward's pool output

@@ -1,10 +1,10 @@
 """Inlined ops: Inductor launches the fused ops' Triton kernels itself, from its generated code.
 
 A fused op called from a compiled graph runs its Python body on every call: checks, buffer allocation, the launch
-configuration, ``JITFunction.run`` around each kernel. On the H200's host that is 70–250 µs a call, against about
-25 µs for each kernel Inductor launches from its generated code; a Gemma-3-4B LoRA step calls fused ops over a
-thousand times, and its host took longer to launch a step than the GPU took to run it
-(``benchmarks/results/host_bound_gemma3_qwen25_h200_2026-12-03.md``).
+configuration, ``JITFunction.run`` around each kernel: several times the host time of a kernel that Inductor
+launches from its generated code. A LoRA step calls fused ops over a thousand times, and where its kernels are short
+the host takes longer to launch a step than the GPU takes to run it (measurements: ``docs/defaults.md``,
+``inline_ops``).
 
 The body depends only on what the graph already knows at compile time (shapes, strides, dtypes, the op's constant
 arguments), so this pass runs it once, at compile time, on the node's fake values, with each kernel launch recorded
@@ -25,19 +25,12 @@ same:
   not be traced at all (a data-dependent value, or a Triton kernel launched other than through ``launchable``: such
   a launch is refused during the trace, since on fake tensors it would run on null pointers).
 
-On by default (``FuserConfig(inline_ops=False)`` keeps the calls). Measured on the H200
-(``benchmarks/results/inline_ops_gemma3_h200_2026-12-04.md``): a Gemma-3-4B LoRA step, host-bound with calls,
-became GPU-bound and steady at 1.3x Inductor, with the calls' losses. The Llama-3.2-1B full fine-tune and Qwen2.5-7B
-LoRA steps (and Llama-3-8B LoRA), GPU-bound either way, did not gain. The 1B's peak rose 2.3 GiB then, the size of
-its gradients (``inline_ops_ab_memory_h200_2026-12-04_2112.md``): the first backward's gradients stayed allocated for
-good, only when the backward was compiled, not loaded from Inductor's cache
-(``inline_ops_held_gradients_h100_2026-12-06.md``). The cause: this pass kept the exceptions that said why a call
-stays a call, and with them their tracebacks: every frame up the compile's stack, AOT autograd's backward frame among
-them, whose local then holds that backward's outputs. It now keeps the reasons' words (``tests/test_inline_ops.py``
-reproduces the held frame on CPU). Measured after the fix on an H100 (``inline_ops_default_h100_2026-12-06.md``):
-the 1B full fine-tune compiled from scratch holds none of its first step's gradients, with the calls' memory (14.34
-GiB), and Gemma-3-4B LoRA ran at 1.34x Inductor. Compile time rises against the calls' (Gemma on the H200: 134-192 s
-against 99 s); on that H100 Gemma's warm-up stayed under Inductor's own (146 s against 154 s).
+On by default (``FuserConfig(inline_ops=False)`` keeps the calls): it helps a host-bound step, leaves a GPU-bound one
+as it was, and costs compile time (``docs/defaults.md``, ``inline_ops``). The reasons a call stays a call are kept
+as words, never as the exceptions that said them: an exception's traceback holds every frame up the compile's
+stack, AOT autograd's backward frame among them, whose locals hold that backward's outputs, so a kept exception
+keeps the first step's gradients allocated for good (``docs/notes/inline-ops-held-gradients.md``;
+``tests/test_inline_ops.py`` reproduces the held frame on CPU).
 Inductor types a Python float launch argument fp64, where Triton's launch types
 it fp32: each kernel casts its float scalars to fp32 first, or an inlined kernel would compute in fp64
 (``tests/kernels/test_sm90_compile.py`` checks every kernel for this).

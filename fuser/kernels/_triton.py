@@ -88,8 +88,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so fuser's kernels took their form when this module was
-# imported; read here once too (an environment lookup costs 2 µs a call on a CPU like CI's, and every fused op's
-# launch asks, up to a few times)
+# imported; read here once too (an environment lookup costs host time on every call, and every fused op's launch
+# asks, up to a few times)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -119,7 +119,7 @@ def use_triton(t: torch.Tensor) -> bool:
     """True when the op on ``t`` should launch its Triton kernels."""
     if not HAS_TRITON:
         return False
-    if t.is_cuda:  # an attribute, not the device object (1 µs a call on CI's CPU, several a fused op)
+    if t.is_cuda:  # an attribute, not the device object (cheaper to read, and asked several times a fused op)
         return not _INTERPRETING
     return t.is_cpu and _INTERPRETING and _TRITON_ON_CPU.get()
 
@@ -159,8 +159,9 @@ def or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for the host code around the kernels. ``triton.cdiv`` is a constexpr function since Triton
-    3.x, whose calls from Python unwrap their arguments as constexprs: about 5 µs each, a few per launch, where every
-    µs of host time per op shows as idle GPU in a model of many small ops (benchmarks/host_overhead.py)."""
+    3.x, whose calls from Python unwrap their arguments as constexprs: microseconds each, a few per launch, where
+    every microsecond of host time per op shows as idle GPU in a model of many small ops
+    (``docs/notes/host-overhead.md``)."""
     return -(-a // b)
 
 

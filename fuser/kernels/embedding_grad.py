@@ -9,8 +9,8 @@ autograd and Inductor's decompositions the backward graph writes it as
     grad = W_other_grad * s + grad                          (tied lm_head: its gradient, scaled; a kernel reading
                                                             acc in fp32 and the lm_head's gradient)
 
-For a vocabulary of 128k and hidden 2048 that is three kernels moving about 4.7 GB, although only the rows of
-the ids in the batch (at most one per token) receive anything. This op computes the same values:
+That is three kernels, each moving a whole ``[V, H]`` buffer, although only the rows of the ids in the batch (at
+most one per token) receive anything. This op computes the same values:
 
     out[v] = round(base[v] · s + Σ_{t: ids[t] = v, valid[t]} values[t])    (base, s: optional; fp32 sums, one
                                                                             rounding to out's dtype, as Inductor's

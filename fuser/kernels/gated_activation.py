@@ -29,9 +29,8 @@ The packed form (Phi-3's ``gate_up_proj``, MoE experts: ``gate, up = gate_up.chu
 to the same kernels as strided views, and its backward writes d(gate_up) into one ``[..., 2I]`` tensor, so
 nothing is split or concatenated. Every kernel is elementwise: one program per [BLOCK_M rows, BLOCK_N columns]
 tile, any row stride, no reductions, hence deterministic. The tiles are numbered on a 1-D grid with the column
-block varying fastest, so programs launched together sweep contiguous memory: on the H200 that took the bf16
-SwiGLU forward at 16384 × 14336 from 0.341 to 0.326 ms (Inductor's time), while the (row, column) grid order
-lost ~4.5% whatever the tile shape (1×1024 to 4×2048, 4 to 16 warps: all within 1%).
+block varying fastest, so programs launched together sweep contiguous memory: the (row, column) grid order was
+slower whatever the tile shape (``docs/notes/kernels.md``, gated activation).
 """
 
 from __future__ import annotations
@@ -353,10 +352,9 @@ if HAS_TRITON:
 
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
-    """(rows per tile, BLOCK_N, warps): tiles of 2048 elements, 8 per thread at 8 warps. Measured on the H200
-    (``benchmarks/tune_gated_activation.py``, bf16, 8192–16384 rows, I 14336–28672): within 0.3% of the best of
-    11 tile shapes in every pass, equal to Inductor's kernels; the former 4096-element tiles (16 per thread) were
-    as fast for SwiGLU but 5–11% slower in GeGLU's backward (register pressure of the longer formula)."""
+    """(rows per tile, BLOCK_N, warps): tiles of 2048 elements, 8 per thread at 8 warps, the best of the tile
+    shapes ``benchmarks/tune_gated_activation.py`` sweeps in every pass; larger tiles lose in GeGLU's backward
+    (register pressure of the longer formula). The sweep's figures: ``docs/notes/kernels.md``."""
     block_n = min(tt.next_power_of_2(n_cols), 1024)
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, 8

@@ -26,15 +26,13 @@ the pass when ``grad_output`` is 1, decided on the device). No host synchronisat
 
 The weight gradient is accumulated over the chunks in the weight's dtype (``dw_accumulator="input"``, the
 default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``"fp32"``: one extra ``[V, H]``
-fp32 buffer during the forward). Measured on the H200 at 8192×2304×256000 (bf16, 26 chunks), the bf16 running
-sum's dW error against fp32 was 2.3e-3 vs 2.2e-3 with the fp32 accumulator, which cost 20 ms more
-(``benchmarks/results/linear_cross_entropy_h200_2026-11-30.md``). ``dw_kernel="triton"`` adds each chunk's
-share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as cuBLAS's
-``addmm_`` does (half-precision accumulator only). Measured on the H200 (21:08 UTC, 10 tile configurations,
-``benchmarks/results/profile_linear_cross_entropy_dweight_h200_2026-11-30.md``) it is slower than cuBLAS at every
-shape: 1.64 / 2.64 / 2.71 ms per chunk at best against ``addmm_``'s 1.24 / 1.79 / 1.90 (whole op 64.8 vs 54.0 ms
-at 8192×2304×256000), so it stays off; kept as a measured alternative. With ``streams=True`` (the default) the
-weight gradient's accumulation runs on a second CUDA stream, beside the ``dhidden`` matmul.
+fp32 buffer during the forward); the bf16 running sum's error was measured close to the fp32 one's, and the fp32
+sum slower (``docs/defaults.md``, ``linear_cross_entropy.dw_accumulator``). ``dw_kernel="triton"`` adds each
+chunk's share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as
+cuBLAS's ``addmm_`` does (half-precision accumulator only); it measured slower than cuBLAS at every shape, so it
+stays off, kept as a measured alternative (``docs/defaults.md``, ``linear_cross_entropy.dw_kernel``). With
+``streams=True`` (the default) the weight gradient's accumulation runs on a second CUDA stream, beside the
+``dhidden`` matmul.
 
 These three are arguments of the op (and keywords of :func:`linear_cross_entropy`); the ``linear_cross_entropy``
 pattern passes ``FuserConfig.linear_cross_entropy``'s values.
@@ -73,11 +71,8 @@ from fuser.kernels._triton import (
 
 REDUCTIONS = ("mean", "sum")
 # the budget for one chunk's logits, which are the op's extra memory (with the returned gradients excluded): at most
-# 1 GiB, and at most a quarter of the whole [T, V] logits, which are Inductor's extra at the same shape (measured
-# 4000 / 2004 / 4748 MiB at 8192×256000 / 8192×128256 / 16384×151936 in bf16, T·V·2 bytes each). Larger chunks
-# were faster at each of those shapes: 54.5 → 48.5, 42.6 → 41.2, 100.9 → 97.2 ms from the old 252 MiB to 1000 /
-# 500 / 1000 MiB on the H200, fewer passes over the [V, H] weight gradient
-# (benchmarks/results/linear_cross_entropy_budget_h200_2026-12-02.md)
+# 1 GiB, and at most a quarter of the whole [T, V] logits, which are Inductor's extra at the same shape. Larger
+# chunks are faster (fewer passes over the [V, H] weight gradient) up to that budget (docs/notes/kernels.md)
 LOGITS_BUDGET_BYTES = 1023 << 20
 LOGITS_SHARE = 4  # a chunk's logits hold at most 1/LOGITS_SHARE of the whole logits
 # how the weight gradient's running sum over the chunks is kept, and which kernel adds each chunk's share to it
@@ -351,8 +346,7 @@ if HAS_TRITON:
     ):
         # dw[v, j] (=, FIRST | +=) Σ_r g[r, v] · h[r, j] in fp32, rounded once to dw's dtype (dw [V, H] contiguous).
         # The running sum's tile is loaded before the reduction over the chunk's rows, so its read overlaps the
-        # matmul instead of following it (cuBLAS's addmm_ reads it in the epilogue: 0.28 ms more per chunk than a
-        # plain mm at 320 rows × 256000 × 2304 on the H200)
+        # matmul instead of following it (cuBLAS's addmm_ reads it in the epilogue, after the matmul)
         pid = tl.program_id(0)
         n_v = tl.cdiv(vocab, BLOCK_V)
         n_h = tl.cdiv(hidden, BLOCK_H)
@@ -381,15 +375,15 @@ if HAS_TRITON:
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=tile_ok)
 
 
-# the weight-gradient kernel's tiles (GPU; the interpreter takes small ones): the best of the H200 sweep at 2 of
-# the 3 shapes (profile_linear_cross_entropy_dweight_h200_2026-11-30.md), still 1.3–1.5x cuBLAS's addmm_
+# the weight-gradient kernel's tiles (GPU; the interpreter takes small ones): the best of the tile sweep at most of
+# its shapes, still slower than cuBLAS's addmm_ (docs/notes/kernels.md)
 DWEIGHT_CONFIG = {"BLOCK_V": 128, "BLOCK_H": 256, "BLOCK_R": 32, "GROUP_V": 8, "num_warps": 8, "num_stages": 4}
 _CPU_DWEIGHT_CONFIG = {"BLOCK_V": 16, "BLOCK_H": 16, "BLOCK_R": 16, "GROUP_V": 2}
 
 
 def dweight_kernel_enabled(dw_acc: torch.Tensor, g_t: torch.Tensor, choice: str = "cublas") -> bool:
     """With ``choice="triton"`` the weight gradient's running sum in half precision goes through
-    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``"cublas"``, the default: faster on the H200) where
+    ``lce_dweight_kernel`` instead of cuBLAS's ``addmm_`` (``"cublas"``, the default: measured faster) where
     Triton runs; an fp32 running sum stays on cuBLAS."""
     return choice == "triton" and dw_acc.dtype == g_t.dtype and g_t.dtype in HALF_DTYPES and use_triton(g_t)
 
@@ -409,10 +403,8 @@ def _launch_dweight(dw_acc: torch.Tensor, g_t: torch.Tensor, h_c: torch.Tensor, 
 
 # the loss kernel's launch on a GPU: the widest vocabulary block and the warps. A tuning table
 # (benchmarks/profile_linear_cross_entropy.py sweeps it), not a user option: the kernel's results do not depend on it
-# beyond fp32 summation order. Measured alone on the H200 (profile_linear_cross_entropy_h200_2026-12-02_1921.md), ms
-# per chunk at 2048 × 256000 / 2048 × 128256 / 3280 × 151936 rows × vocabulary: 4096 × 8 warps 0.91 / 0.47 / 0.86,
-# 8192 × 16 (before) 1.08 / 0.60 / 1.14, every other block × warps tried 1.01 or more / 0.51 / 0.95. A lane-sum form
-# of the first pass and a dhidden split over the vocabulary were also timed in the op and dropped (same file)
+# beyond fp32 summation order. The best block × warps of the sweep at every shape; a lane-sum form of the first
+# pass and a dhidden split over the vocabulary were also timed in the op and dropped (docs/notes/kernels.md)
 CHUNK_KERNEL_CONFIG = {"BLOCK_V": 4096, "num_warps": 8}
 _CPU_CHUNK_KERNEL_CONFIG = {"BLOCK_V": 1024, "num_warps": 4}
 
@@ -531,8 +523,8 @@ def _forward_chunked(
     triton_dw = wanted.weight and dweight_kernel_enabled(dw_acc, buffer, dw_options.kernel)
     weight_t = weight.t()
     # The first chunk's matmul is queued before the labels' count and the gradient scale: those are a few tiny
-    # kernels whose host time, queued first, left the GPU idle before the matmul (about 1 ms a call on the H100,
-    # lce_gaps_h100_2026-12-06.md); queued after it, they run behind it.
+    # kernels whose host time, queued first, left the GPU idle before the matmul (docs/notes/kernels.md); queued
+    # after it, they run behind it.
     if n_rows:
         _chunk_logits(h2[:rows], weight_t, bias, buffer)
     n_valid, scale = _grad_scale(labels1, ce.ignore_index, ce.reduction)
@@ -652,7 +644,7 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb, _dscale):
     if all(type(g) is torch.Tensor for g, _ in grads):
         # Eagerly: in place, in one vectorised pass. The gradients are this op's own buffers, used nowhere else;
         # a second [V, H] weight gradient would double the op's memory here, and the generic mul_ with a 0-dim
-        # CUDA tensor of another dtype took 2.5 ms for a [256000, 2304] bf16 one on the H200 (~4x its bytes' time).
+        # CUDA tensor of another dtype takes several times its bytes' time (docs/notes/kernels.md).
         wanted = [g for g, need in grads if need and g.numel()]
         if wanted and all(triton_runs(g) and g.is_contiguous() for g in wanted):
             for g in wanted:
@@ -690,7 +682,7 @@ def linear_cross_entropy(
     ``sum / num_items_in_batch`` and overrides ``reduction``. The loss is fp32; gradients reach hidden, weight
     and bias through autograd (the weight's is skipped when it does not require grad). ``dw_kernel``,
     ``dw_accumulator`` and ``streams`` choose how the weight gradient is accumulated (see the module docstring;
-    the defaults are the measured best on the H200).
+    why the defaults: ``docs/defaults.md``).
     """
     if num_items_in_batch is not None:
         reduction = "sum"

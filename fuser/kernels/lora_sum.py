@@ -249,7 +249,7 @@ def linear_wide_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear(x, weight, bias)`` of half operands, returned in fp32 before its rounding: the base output a
     LoRA sum adds its term to (``fuser::lora_sum`` with an fp32 base rounds the sum once). Rounding the base
     first and the sum again erases a LoRA term below half an ulp entirely: a rounded base is on the half grid,
-    so the second rounding returns it (issue 16). The gradients are the linear's, from the gradient rounded to
+    so the second rounding returns it. The gradients are the linear's, from the gradient rounded to
     ``x``'s dtype (what the rounded output's gradient was)."""
     check_floating("linear_wide", x=x, weight=weight, bias=bias)
     check_linear("linear_wide", "x", x, weight, bias)
@@ -289,9 +289,8 @@ linear_wide_op.register_autograd(_backward_linear_wide, setup_context=_setup_con
 # The gated activation of two wide sums, in row slices: never differentiated, put in place by a post-grad pass
 # ---------------------------------------------------------------------------------------------------------
 
-# the most bytes each fp32 sum of ``fuser::gated_activation_of_lora_sums`` takes at once: 256 MiB, so a 4×2048-token
-# batch at Llama-3-8B's width (470 MB per sum) runs in 2 slices and 1×32768 tokens in 8, where the whole sums took
-# 1.75 GiB each (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md)
+# the most bytes each fp32 sum of ``fuser::gated_activation_of_lora_sums`` takes at once: a batch a few times this
+# size runs in a few slices, a long sequence in more, where the whole sums would each be [tokens, intermediate] fp32
 WIDE_SLICE_BYTES = 256 << 20
 
 

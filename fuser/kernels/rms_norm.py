@@ -9,9 +9,9 @@ Backward, with g = dy · (weight + offset):
     dx      = rstd · (g − n · mean(g · n))
     dweight = Σ_rows dy · n                           (per-program partial sums, reduced in a second step)
 
-Forward saves x, the weight and rstd (4 bytes a row); backward reads x and dy once and writes dx. Loading rstd
-rather than recomputing it took the H200 backward at 8192×32768 bf16 from 0.552 to 0.453 ms (a second row
-reduction per tile costs more than the 128 KB it saves; benchmarks/tune_rms_norm.py). The weight gradient is
+Forward saves x, the weight and rstd (4 bytes a row); backward reads x and dy once and writes dx. The backward
+loads rstd rather than recomputing it: a second row reduction per tile costs more time than the bytes it saves
+(``benchmarks/tune_rms_norm.py``; ``docs/notes/kernels.md``). The weight gradient is
 reduced deterministically: each program owns a fixed set of rows and writes one fp32 partial row, and the
 partials are summed by ``torch.sum`` afterwards (no atomics).
 """
@@ -233,7 +233,7 @@ _MAX_BLOCK_N = 65536
 
 
 def _launch_config(n_cols: int) -> tuple[int, int, int]:
-    """Forward: (rows per program, BLOCK_N, warps). Within 3% of the best swept config on the H200."""
+    """Forward: (rows per program, BLOCK_N, warps), near the best of ``benchmarks/tune_rms_norm.py``'s sweep."""
     block_n = tt.next_power_of_2(n_cols)
     block_m = max(1, min(64, 4096 // block_n))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
@@ -241,10 +241,9 @@ def _launch_config(n_cols: int) -> tuple[int, int, int]:
 
 
 def _backward_launch_config(n_cols: int) -> tuple[int, int, int, int]:
-    """Backward: (rows per tile, BLOCK_N, warps, programs per SM), from benchmarks/tune_rms_norm.py on the H200.
+    """Backward: (rows per tile, BLOCK_N, warps, programs per SM), from ``benchmarks/tune_rms_norm.py``'s sweep.
 
-    Larger tiles and fewer resident programs won: hidden 2048 best at 4 rows × 4 warps × 2 programs/SM,
-    4096 at 4 × 8 × 1, 8192 at 2 × 16 × 1 (25–30% faster than one row × 4 programs/SM).
+    Larger tiles and fewer resident programs won over one row per tile (``docs/notes/kernels.md``).
     """
     block_n = tt.next_power_of_2(n_cols)
     block_m = max(1, min(64, (8192 if block_n <= 2048 else 16384) // block_n))
@@ -589,7 +588,7 @@ def add_rms_norm_op(x, residual, weight, eps, offset, norm_dtype, out_dtype):
     """A residual add and the RMSNorm of its result: ``h = x + residual`` in fp32, returns (y, rstd, h rounded to
     x's dtype). y is the norm of the unrounded h, as Inductor computes a norm fused with the add and its cast; the
     rounded h is the residual stream's next value, and what backward reads. ``residual``: x's shape, in x's dtype (a
-    decoder layer's ``h + attn_out`` under full fine-tuning), fp32 (a LoRA sum kept in fp32, issue 16) or narrower
+    decoder layer's ``h + attn_out`` under full fine-tuning), fp32 (a LoRA sum kept in fp32) or narrower
     than x (under autocast with fp32 weights, a bf16 projection added into the fp32 stream: h is then fp32, eager's
     sum exactly).
 

@@ -394,9 +394,8 @@ if HAS_TRITON:
             )
 
 
-# Measured on the H200 (benchmarks/tune_rope.py, Llama-3-8B q/k, bf16, B·T 8192–32768, fwd + bwd): 512 pairs
-# (8 heads of 128) per tile on one warp was the best of 16 configs at every size, 2–8% ahead of 1024 pairs on 4
-# warps, the former default.
+# The best of benchmarks/tune_rope.py's sweep at every size it tried (docs/notes/kernels.md): 512 pairs (8 heads of
+# 128) per tile on one warp.
 _PAIRS_PER_TILE = 512
 _NUM_WARPS = 1
 

@@ -3,7 +3,7 @@
 peft keeps LoRA adapters in fp32 under a bf16 base model and casts each adapter's input up: ``lora_A(x.float())``.
 The weight gradient of ``lora_A`` needs that input in the backward, and Inductor's partitioner saves the fp32 copy
 (a tensor consumed by a matmul in the backward is never recomputed), twice the bytes of the bf16 ``x`` it came
-from. For a Llama-3-8B layer at 8192 tokens that is 0.87 GB of fp32 copies where 0.44 GB of bf16 would do.
+from, for every adapter input of every layer.
 
 This op computes exactly what the graph computed (the same cast, the same fp32 matmul) but saves ``x`` itself;
 the backward casts it again, transiently:
@@ -14,15 +14,13 @@ the backward casts it again, transiently:
     db     = Σ dy
 
 A LoRA ``lora_A`` has few outputs (the rank, 8–64), and its three fp32 matmuls run on cuBLAS's CUDA-core kernels
-(no TF32): 0.12–0.57 ms each at 8192 tokens on the H200, where reading ``x`` once takes 14–49 µs. So on a GPU,
+(no TF32), many times slower than reading ``x`` once (``docs/notes/kernels.md``, upcast linear). So on a GPU,
 weights of at most 64 rows take Triton kernels instead (the ops' ``allow_triton=False`` switches them off; the
 pattern passes ``FuserConfig.upcast_linear.triton``): they read ``x`` in its own dtype (no fp32 copy is written,
 not even transiently), their dots run on the tensor cores as ``tf32x3`` (fp32 accuracy: see ``CONFIGS``), and
 ``dx`` is rounded to ``x``'s dtype in the kernel. The weight gradient is summed over the rows in fixed row blocks,
-partial sums added in a fixed order (deterministic).
-Measured (``benchmarks/results/tune_upcast_linear_h200_2026-11-30.md``): 3–5× faster than cuBLAS's fp32 path,
-with a smaller error against fp64; Llama-3-8B LoRA training step 13,183 tok/s without this rewrite, 12,088 with it
-on cuBLAS, 13,945 with these kernels (``train_step_llama3-8b-lora_h200_2026-11-30.md``).
+partial sums added in a fixed order (deterministic). They measured several times faster than cuBLAS's fp32 path,
+with a smaller error against fp64 (``docs/defaults.md``, ``upcast_linear.triton``).
 """
 
 from __future__ import annotations
@@ -178,18 +176,13 @@ def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True
 # dots run on the tensor cores as "tf32x3" (each fp32 operand split into a TF32 high part and a TF32 remainder,
 # three products summed in fp32: about 2^-21 relative per product, below the fp32 sums' own rounding over the
 # thousands of terms here; x in bf16/fp16 is exact in TF32, so its remainder is zero). A "bf16x3" variant (x as a
-# native bf16 operand, the fp32 one split into three bf16 parts) was tried and dropped: on the H200 its forward was
-# 1.4e-5 relative from fp64 against tf32x3's 2.2e-7 (benchmarks/results/LOG.md, 2026-11-30 18:24). Chosen by
-# ``benchmarks/tune_upcast_linear.py`` on the H200. The forward's inputs in 4 splits (partial products summed in a
-# fixed order): 64-row tiles leave 128 programs for 8192 rows, too few to fill 132 SMs while each streams its rows'
-# inputs; 4 splits took the 8192×4096×16 forward from 49.0 to 40.6 µs and 8192×14336×16 from 155.7 to 109.3 µs, and
-# the Llama-3-8B LoRA step's fused ops from 143.1 to 133.9 ms (tune_upcast_linear_h200_2026-12-01.md). The dW's
-# rows in 16 splits of at least 2 row blocks (8 splits of at least 8 before: 256 programs at 4096 inputs, two per
-# SM): 8192×4096×16 58.3 → 41.5 µs, 8192×14336×16 108.6 → 113.4 (noise), and for ranks above 16 32-column blocks,
-# 8192×4096×64 211.9 → 106.9 µs (tune_upcast_linear_dw_h200_2026-12-01.md). dx (also lora_sum's forward): each
-# program loads its W columns once and computes 8 row tiles of 64: 8192×4096×16 33.6 → 29.3 µs (lora_sum's 56.8 →
-# 45.1), 8192×14336×16 102.4 → 83.4 (165.3 → 139.1) (tune_upcast_linear_dx_h200_2026-12-01.md); in the Llama-3-8B
-# LoRA step 38.3 → 36.7 ms. The interpreter (CPU) ignores the precision and the stages.
+# native bf16 operand, the fp32 one split into three bf16 parts) was tried and dropped: its forward was much further
+# from fp64 than tf32x3's. Chosen by ``benchmarks/tune_upcast_linear.py``. The forward's inputs in 4 splits (partial
+# products summed in a fixed order): 64-row tiles leave too few programs to fill the GPU's SMs for a few thousand
+# rows while each streams its rows' inputs. The dW's rows in 16 splits of at least 2 row blocks, and for ranks above
+# 16 32-column blocks. dx (also lora_sum's forward): each program loads its W columns once and computes 8 row tiles
+# of 64. What each choice measured: docs/notes/kernels.md (upcast linear). The interpreter (CPU) ignores the
+# precision and the stages.
 CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PRECISION": "tf32x3", "SPLIT_K": 4},
     "dx": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "ROW_TILES": 8, "PRECISION": "tf32x3"},
@@ -373,8 +366,7 @@ def upcast_linear_grads(
 
 # upcast_linear_grads' two results, each its own function: the fused ops whose backward includes a linear's
 # (the gated and normed ones) call these, not the custom op, whose wrapper (autograd kernel, dispatcher, output
-# checks) cost 7–118 µs of the H200 host's time a call
-# (benchmarks/results/direct_calls_h200_2026-12-02_1220.md) and does nothing inside another op. ``fast``: the
+# checks) costs host time on every call (docs/notes/host-overhead.md) and does nothing inside another op. ``fast``: the
 # caller's ``triton_path(x, weight, allow_triton)``, asked once per op
 def _linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
     """``(dy @ weight).to(x.dtype)``."""

@@ -3,8 +3,8 @@
 Some versions of Hugging Face transformers (5.17 among them) cannot tell under ``torch.compile`` that no padding
 mask was given, so they build the causal mask in the graph from ``arange`` comparisons and pass it to
 ``scaled_dot_product_attention`` instead of ``is_causal=True``. PyTorch then runs a masked kernel that computes
-every block above the diagonal too: on the H200, for Llama-3.2-1B at 4×2048, attention took 32.7 ms of kernel time
-per step under ``torch.compile`` against 13.0 ms in eager mode (``benchmarks/results/``, profile files).
+every block above the diagonal too, and attention under ``torch.compile`` takes longer than in eager mode
+(``docs/notes/kernels.md``, causal attention).
 
 The rewrite is made only when the mask is *proved* to be the plain causal mask:
 
@@ -29,21 +29,18 @@ same function of q, k and v, so PyTorch may pick its flash kernels, which skip t
 A causal sliding window. When every slice instead equals the window mask ``i − w < j ≤ i`` for one ``w < T`` (the
 sliding layers of Gemma-3, Mistral, Cohere-2), the call becomes :func:`~fuser.kernels.window_attention.window_sdpa`
 with that ``w``: FlashAttention's window kernels, which skip the blocks outside the window (fp16/bf16 on a CUDA GPU;
-elsewhere the masked SDPA as written). Measured on the H200 at Gemma-3-4B's shapes (4×2048, window 1024, head_dim
-256), forward + backward: the masked SDPA 2.464 ms per layer, the window kernels 1.269 ms, equally close to fp32
-(``benchmarks/results/sliding_window_h200_2026-12-02.md``). Not with dropout (declined), and
+elsewhere the masked SDPA as written), faster than the masked SDPA and as close to fp32
+(``docs/defaults.md``, ``causal_attention.sliding_window``). Not with dropout (declined), and
 ``sliding_window=False`` keeps the masked call.
 
-Grouped-query attention. Where no mask is given, transformers calls SDPA with ``enable_gqa=True`` on the model's
-k and v; where it passes a mask (traced, as above) it first expands them to the query's heads itself
+Grouped-query attention. Where no mask is given, transformers calls SDPA with ``enable_gqa=True`` on the model's k and
+v; where it passes a mask (traced, as above) it first expands them to the query's heads itself
 (``repeat_kv``: ``k[:, :, None].expand(b, kv_heads, n_rep, s, d).reshape(b, kv_heads * n_rep, s, d)``), and the
-expanded copies are what the backward then saves (on Llama-3.2-1B 8,192 of a layer's 69,768 saved bytes per token,
-by the partitioner's choices on CPU). With ``gqa_fold=True`` the rewritten call is given the unexpanded k and v
-with ``enable_gqa=True`` — the same function: query head ``h`` reads key/value head ``h // n_rep`` either way — when
-both are exactly that expansion (an ``expand`` of a new dim 2 merged into dim 1; ``repeat``'s tiling order or any
-other form is left as written). On by default since it was measured: on the H200, Llama-3.2-1B full fine-tuning
-(with ``rms_norm_linear``) went from 15.45 to 14.70 GiB at its peak and from 64,606 to 65,170 tokens/s
-(``benchmarks/results/LOG.md``, 2026-12-02 07:09).
+expanded copies are what the backward then saves. With ``gqa_fold=True`` the rewritten call is given the unexpanded k
+and v with ``enable_gqa=True`` — the same function: query head ``h`` reads key/value head ``h // n_rep`` either way —
+when both are exactly that expansion (an ``expand`` of a new dim 2 merged into dim 1; ``repeat``'s tiling order or any
+other form is left as written). On by default since it was measured: less memory, no less speed
+(``docs/defaults.md``, ``causal_attention.gqa_fold``).
 
 A mask built from a graph input (the ``attention_mask`` the HF Trainer's collators pass, all ones when nothing is
 padded) cannot be proved at compile time. With ``runtime_check=True`` (off by default: not yet measured on a GPU)
@@ -80,27 +77,27 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class CausalAttentionConfig:
-    """The causal-attention rewrite's switches (module docstring): the fold on, the runtime check off until
-    measured on a GPU.
-
-    gqa_fold:       a proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
-                    ``enable_gqa=True``, so the backward saves them instead of the copies.
-    runtime_check:  a bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the
-                    device at each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal.
-    sliding_window: a mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's
-                    window kernels (``fuser/kernels/window_attention.py``), which skip the blocks outside it.
-    block_sparse_masks:
-                    a bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``)
-                    runs on FlexAttention (fp16/bf16 on a CUDA GPU) with a block mask built from the mask's own
-                    values on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are
-                    skipped, the others masked element by element. No host synchronisation, no assumption about
-                    the mask. Elsewhere (CPU, fp32) the masked SDPA as written. ``runtime_check`` takes precedence.
-    """
+    """The causal-attention rewrite's switches (module docstring); each field is described under it."""
 
     gqa_fold: bool = True
+    """A proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
+    ``enable_gqa=True``, so the backward saves them instead of the copies."""
+
     runtime_check: bool = False
+    """A bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the device at
+    each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal. Inductor reads the ``cond``'s
+    predicate on the host: one synchronisation per call."""
+
     sliding_window: bool = True
+    """A mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's window kernels
+    (``fuser/kernels/window_attention.py``, fp16/bf16 on a GPU), which skip the blocks outside it."""
+
     block_sparse_masks: bool = False
+    """A bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``) runs on
+    FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
+    on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
+    element by element. No host synchronisation, no assumption about the mask. Elsewhere (CPU, fp32) the masked SDPA
+    as written. ``runtime_check`` takes precedence."""
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")

@@ -53,23 +53,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GatedMLPConfig:
-    """What the gated MLP's fused op (swiglu, geglu) does beyond the forward it replaces.
-
-    recompute_for_down_weight:  a trainable down projection fed the fused product becomes ``fuser::linear_gated``,
-                                whose backward recomputes the product for its weight gradient instead of saving it
-                                (one ``[tokens, intermediate]`` activation per layer fewer; default ``True``).
-    backward_in_place:          Inductor's post-grad graphs write the gated backward's dgate and dup over gate and
-                                up, and add the down adapter's dx into the base projection's gradient, where
-                                nothing reads them after (``fuser.patterns.gated_mlp_inplace``; default ``True``).
-    backward_writes_product:    where the down projection recomputes the product for its weight gradient
-                                (``recompute_for_down_weight``), the gated backward's kernel writes the product
-                                instead, over the product's gradient once read: one op, one pass over gate and up
-                                fewer (``fuser.patterns.gated_down_grads``; default ``True``).
-    """
+    """What the gated MLP's fused op (swiglu, geglu) does beyond the forward it replaces; each field is described
+    under it."""
 
     recompute_for_down_weight: bool = True
+    """A trainable down projection fed the fused product becomes ``fuser::linear_gated``, whose backward recomputes
+    the product for its weight gradient instead of saving it: one ``[tokens, intermediate]`` activation per layer
+    fewer."""
+
     backward_in_place: bool = True
+    """Inductor's post-grad graphs write the gated backward's dgate and dup over gate and up, and add the down
+    adapter's dx into the base projection's gradient, where nothing reads them after
+    (``fuser.patterns.gated_mlp_inplace``)."""
+
     backward_writes_product: bool = True
+    """Where the down projection recomputes the product for its weight gradient (``recompute_for_down_weight``), the
+    gated backward's kernel writes the product instead, over the product's gradient once read: one op, and one pass
+    over gate and up fewer (``fuser.patterns.gated_down_grads``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "gated_mlp")

@@ -4,8 +4,7 @@
 tensors of a layer) and writes dgate and dup of the same shape: at that moment four such buffers are live, five
 with the product's gradient. In a checkpointed layer the backward graph itself recomputes gate and up, and the
 gated backward is their last reader; then ``fuser::gated_activation_backward_`` writes dgate over gate and dup
-over up, and the peak of the layer's backward holds two of those buffers fewer (1.75 GiB for Llama-3-8B at
-32,768 tokens).
+over up, and the peak of the layer's backward holds two of those buffers fewer.
 
 The passes run on Inductor's post-grad graphs (functional, after AOT autograd's partition; fuser installs them as
 ``post_grad_custom_post_pass``), once per forward and backward graph: swiglu and geglu declare them

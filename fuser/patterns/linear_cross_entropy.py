@@ -74,20 +74,20 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class LinearCrossEntropyConfig:
-    """How the fused lm_head + cross-entropy forms the weight gradient (``fuser/kernels/linear_cross_entropy.py``).
-
-    dw_kernel:       what adds each chunk's share to the running sum: ``"cublas"`` (``addmm_``, default: faster on
-                     the H200) or ``"triton"`` (fuser's own kernel, half-precision sums only; kept as a measured
-                     alternative).
-    dw_accumulator:  the running sum's dtype: ``"input"`` (the weight's, default: no extra memory) or ``"fp32"``
-                     (one extra ``[vocab, hidden]`` fp32 buffer, one rounding at the end).
-    streams:         accumulate the weight gradient on a second CUDA stream, beside the ``dhidden`` matmul
-                     (default ``True``).
-    """
+    """How the fused lm_head + cross-entropy forms the weight gradient (``fuser/kernels/linear_cross_entropy.py``);
+    each field is described under it."""
 
     dw_kernel: DwKernel = "cublas"
+    """What adds each chunk's share to the weight gradient's running sum: ``"cublas"`` (``addmm_``) or ``"triton"``
+    (fuser's own kernel, half-precision sums only; kept as a measured alternative)."""
+
     dw_accumulator: DwAccumulator = "input"
+    """The running sum's dtype: ``"input"`` (the weight's: no extra memory) or ``"fp32"`` (one extra
+    ``[vocab, hidden]`` fp32 buffer, one rounding at the end)."""
+
     streams: bool = True
+    """Accumulate the weight gradient on a second CUDA stream, beside the ``dhidden`` matmul (when both gradients
+    are wanted): the memory-bound accumulation overlaps the compute-bound matmul, at no extra memory."""
 
     def __post_init__(self) -> None:
         check_fields(self, "linear_cross_entropy")

@@ -5,8 +5,8 @@ peft keeps adapters in fp32 and writes ``result = result + lora_B(lora_A(dropout
 base dtype (variant "peft bitsandbytes", computed in that order). The op (``fuser/kernels/lora_sum.py``) computes
 that sum and its gradients without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs
 before the other patterns: the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take
-the op's half-precision output as their input instead. On by default since its first GPU measurement (H200,
-Llama-3-8B LoRA r16, 4×2048: 13,945 → 15,356 tokens/s; ``benchmarks/results/LOG.md``).
+the op's half-precision output as their input instead. On by default since its first GPU measurement
+(``docs/defaults.md``, ``lora_sum``).
 """
 
 from __future__ import annotations
@@ -38,29 +38,22 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class LoraSumConfig:
-    """How a LoRA sum that must be stored rounded is computed.
-
-    fp32_base:  a sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to
-                the base linear's fp32 output (``fuser::linear_wide``: cuBLAS's accumulator, not rounded) and
-                rounds once. Rounding the base to bf16 first erases every LoRA term below half an ulp of it (a
-                bf16 base is on the bf16 grid, so the second rounding returns it), as eager and Inductor do: at
-                LoRA learning rates most of v_proj's update (issue 16). Default ``True``; costs one fp32
-                ``[tokens, out]`` write and read per such sum.
-    gated_in_slices:
-                the fp32 gate and up sums a gated activation computes its product from (kept unrounded for
-                issue 16) are formed and consumed in row slices of at most 256 MiB each
-                (``fuser::gated_activation_of_lora_sums``, put in place by a post-grad pass, forward and
-                checkpointed recompute alike) instead of as two whole ``[tokens, intermediate]`` fp32 tensors:
-                3.5 GiB live at once on Llama-3-8B at 32,768 tokens under gradient checkpointing, which took its
-                peak from 28.8 to 31.5 GiB (memory_llama3-8b-lora-gc-32k_fuser_h200_2026-12-02_1957.md). The same
-                kernels compute the same values, bit for bit (checked on CPU, reference and Triton-interpreter
-                paths). Default ``False``: measured on the H200 it took that job's peak only to 30.3 GiB (the peak
-                is then set elsewhere) and made it and the 4×2048 job 0.4 % slower
-                (train_step_variants_gated_in_slices_h200_2026-12-03_0413.md).
-    """
+    """How a LoRA sum that must be stored rounded, or kept in fp32, is computed; each field is described under it."""
 
     fp32_base: bool = True
+    """A sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to the base
+    linear's fp32 output (``fuser::linear_wide``: cuBLAS's accumulator, not rounded) and rounds once. Rounding the
+    base to bf16 first erases every LoRA term below half an ulp of it (a bf16 base is on the bf16 grid, so the second
+    rounding returns it), as eager and Inductor do: at LoRA learning rates, most of v_proj's update. Costs one fp32
+    ``[tokens, out]`` write and read per such sum."""
+
     gated_in_slices: bool = False
+    """The fp32 gate and up sums a gated activation computes its product from (kept unrounded, for the reason
+    ``fp32_base`` gives) are formed and consumed in row slices of at most 256 MiB each
+    (``fuser::gated_activation_of_lora_sums``, put in place by a post-grad pass, forward and checkpointed recompute
+    alike) instead of as two whole ``[tokens, intermediate]`` fp32 tensors. The same kernels compute the same values,
+    bit for bit. Off: it lowers the peak only where those sums set it (long, checkpointed sequences), and costs a
+    little speed."""
 
     def __post_init__(self) -> None:
         check_fields(self, "lora_sum")
@@ -220,7 +213,7 @@ def _split_wide(graph: torch.fx.Graph, node: torch.fx.Node) -> tuple[torch.fx.No
 
 def keep_wide_sums_for_gated_ops(graph: torch.fx.Graph) -> int:
     """A LoRA sum that feeds a gated activation as its gate or up → ``fuser::lora_sum_wide``: the gated op computes
-    its product from the unrounded fp32 sum and saves the rounded one (issue 16: rounding ``base + s · lora`` to
+    its product from the unrounded fp32 sum and saves the rounded one (rounding ``base + s · lora`` to
     bf16 erases a LoRA term smaller than half the base's ulp, and Inductor, which fuses peft's cast into the
     consumer, does not round there); returns how many sums."""
     import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation)
@@ -264,7 +257,7 @@ def _residual_add(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 def sum_into_residual_adds(graph: torch.fx.Graph) -> int:
     """A LoRA sum whose only users are residual adds (o_proj, down_proj: ``h = h + sum``) stays fp32 and each add
     rounds once, ``(h + sum).to(bf16)``: what Inductor computes from peft's graph, where the sum's own rounding
-    would erase a LoRA term below half the base's ulp (issue 16). Where the new residual feeds an RMSNorm (the
+    would erase a LoRA term below half the base's ulp. Where the new residual feeds an RMSNorm (the
     next norm of every decoder layer), the add and the norm become one ``fuser::add_rms_norm``, which normalises
     the unrounded sum; elsewhere a norm of it gets the fp32 add as ``x_wide``. Returns how many sums."""
     n = 0
@@ -359,7 +352,7 @@ def _chain_to_rope(node: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 def sum_into_rope(graph: torch.fx.Graph) -> int:
     """A LoRA sum that only RoPE reads (q_proj, k_proj, through views) stays fp32: the rope op reads the fp32 q or
-    k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation (issue 16).
+    k and rounds its rotated result once, as Inductor computes peft's cast fused into the rotation.
     Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
@@ -397,7 +390,7 @@ def _chain_to_norms(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.N
 def sum_into_norms(graph: torch.fx.Graph) -> int:
     """A LoRA sum that only RMSNorms read (through views) → ``fuser::lora_sum_wide``: each norm is computed from the
     fp32 sum (its ``x_wide``, the same views applied) and saves the rounded one, as Inductor computes a norm fused
-    with peft's cast (issue 16). Returns how many sums."""
+    with peft's cast. Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
         uses = _chain_to_norms(node)
@@ -475,7 +468,8 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
 
 
 def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
-    """The refinements that keep a LoRA sum's fp32 value where its consumer would (issue 16), then, for the sums
+    """The refinements that keep a LoRA sum's fp32 value where its consumer would (a bf16 rounding of the sum
+    erases a LoRA term below half the base's ulp), then, for the sums
     that stay rounded, the base's fp32 value (``LoraSumConfig.fp32_base``)."""
     _drop_dead_casts(graph)
     n = (

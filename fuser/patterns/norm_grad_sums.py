@@ -16,8 +16,8 @@ gradient's dtype (bf16 under full fine-tuning) before the norm's backward uses i
   dtype and shape (no alpha, no broadcast), and is read by nothing but the next add;
 - nothing between the first add and the norm's backward mutates a tensor (the terms are read later than before).
 
-Declines are logged at debug level. On by default (``RmsNormConfig.gradient_sums``; what the H200 measured is
-there).
+Declines are logged at debug level. On by default (``RmsNormConfig.gradient_sums``; what it measured:
+``docs/defaults.md``, ``rms_norm.gradient_sums``).
 
 A second pass, ``norm_grad_upcasts`` (the same switch), runs after it: where every term the norm's backward reads is
 an exact upcast to fp32 of a half-precision tensor (``convert_element_type(t, fp32)``, t bf16 or fp16, all of one

@@ -61,16 +61,13 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class RmsNormLinearConfig:
-    """The ``rms_norm_linear`` pattern's switch.
-
-    lora:  also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight
-           gradients rebuild the normalised value from the norm's input and rstd (``fuser::upcast_linear_normed``)
-           instead of saving it. Default ``False``: on the H200 it took Llama-3-8B LoRA's peak from 46.7 to
-           42.8 GiB at 0.7 % fewer tokens/s (benchmarks/results/LOG.md, 2026-12-02 07:20). Under full fine-tuning
-           the pattern needs no switch: there it was both smaller and faster.
-    """
+    """The ``rms_norm_linear`` pattern's switch, described under it."""
 
     lora: bool = False
+    """Also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight gradients
+    rebuild the normalised value from the norm's input and rstd (``fuser::upcast_linear_normed``) instead of saving
+    it. Off: it saves memory at some cost in speed. Under full fine-tuning the pattern needs no switch: there it is
+    both smaller and faster."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm_linear")
@@ -78,32 +75,26 @@ class RmsNormLinearConfig:
 
 @dataclass(frozen=True)
 class RmsNormConfig:
-    """The ``rms_norm`` pattern's switch (it holds for the norms ``rms_norm_linear`` takes too).
-
-    residual_add:  a residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused
-                   norm reads (every decoder layer's ``h = h + attn_out`` before its next norm, under full
-                   fine-tuning) becomes one ``fuser::add_rms_norm``: the add, its rounding (the residual stream's
-                   next value) and the norm in one kernel, and in the backward the residual stream's gradient added
-                   to the norm's input gradient by the norm's own kernel (:func:`add_residuals_into_norms`). The
-                   norm reads the sum before its rounding, and the gradients are added in fp32 and rounded once: as
-                   close to fp32 as the separate add, or closer. Under autocast with fp32 weights (a trainer's
-                   ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the
-                   op takes those too, and its step is the step without it, bit for bit (fp32 sums either way). LoRA
-                   sums added to the residual are lora_sum's.
-    gradient_sums: a norm's output gradient that the backward graph forms as a sum of two to four terms (the input
-                   gradients of the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward
-                   kernel as it loads the terms, in fp32: the sum is not written, read back, or rounded first
-                   (:mod:`fuser.patterns.norm_grad_sums`). On by default: on the H200 it took the norm backwards and
-                   the add kernels before them from 2.27 to 1.61 ms a Llama-3.2-1B full fine-tuning step (one
-                   profiled run each); the whole step's time moved by −0.4 and +0.7 ms in two runs, within the
-                   ±1 ms the matmuls vary between processes (``benchmarks/results/norm_grad_sums_h200_2026-12-03.md``).
-                   With it, a norm backward whose terms are all half-precision values widened to fp32 (autocast's
-                   casts, under fp32 weights) reads them unwidened and widens them as it loads them (the post-grad
-                   pass ``norm_grad_upcasts``): the same sum, without writing and reading an fp32 copy of each term.
-    """
+    """The ``rms_norm`` pattern's switches (they hold for the norms ``rms_norm_linear`` takes too); each field is
+    described under it."""
 
     residual_add: bool = True
+    """A residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused norm reads (every
+    decoder layer's ``h = h + attn_out`` before its next norm, under full fine-tuning) becomes one
+    ``fuser::add_rms_norm``: the add, its rounding (the residual stream's next value) and the norm in one kernel, and
+    in the backward the residual stream's gradient added to the norm's input gradient by the norm's own kernel
+    (:func:`add_residuals_into_norms`). The norm reads the sum before its rounding, and the gradients are added in
+    fp32 and rounded once: as close to fp32 as the separate add, or closer. Under autocast with fp32 weights (a
+    trainer's ``bf16=True`` on an fp32 model) the add sums the fp32 stream and a bf16 projection into fp32: the op
+    takes those too, and its step is the step without it, bit for bit. LoRA sums added to the residual are
+    lora_sum's."""
+
     gradient_sums: bool = True
+    """A norm's output gradient that the backward graph forms as a sum of two to four terms (the input gradients of
+    the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward kernel as it loads the terms,
+    in fp32: the sum is not written, read back, or rounded first (:mod:`fuser.patterns.norm_grad_sums`). With it, a
+    norm backward whose terms are all half-precision values widened to fp32 (autocast's casts, under fp32 weights)
+    reads them unwidened and widens them as it loads them (the post-grad pass ``norm_grad_upcasts``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rms_norm")
@@ -212,7 +203,7 @@ def check_rms_norm(found: Found, variant: Variant, config: FuserConfig) -> Repla
 
     # The casts inside the block (the normalised value's to the input dtype before the weight multiply, Llama's and
     # aten's rms_norm's) are not reproduced: Inductor fuses them with the multiply and elides the round trip, and the
-    # single rounding of the product is closer to fp32 (issue 16). The op's ``norm_dtype`` stays None. That holds
+    # single rounding of the product is closer to fp32. The op's ``norm_dtype`` stays None. That holds
     # for a cast to a dtype the op computes for; one to fp64 or an integer type computes something else.
     for node in found.nodes[1:]:
         cast = canonical(node)
@@ -379,8 +370,8 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     ``.to`` per projection as autocast's own, not the op body's: Inductor then casts the norm's output once for all
     its projections (their forward casts are one expression) and each weight once, for the forward and the saved
     copy the backward reads, where the op's body cast ``y`` once per projection and each weight a second time, in
-    eager kernels (the Llama-3.2-1B autocast step: 160 such casts, 4.1 ms on an H100,
-    ``benchmarks/results/profile_llama32-1b-full-amp_fuser_h100_2026-12-06.md``). The gradients are the same
+    eager kernels, a cast per projection and layer that took measurable time in an autocast step
+    (``docs/notes/kernels.md``, autocast casts). The gradients are the same
     values: the op's bf16 dx and dW, cast to fp32 by each ``.to``'s backward, each projection's dx its own term
     of the fp32 sum, as eager autocast sums them."""
     n = 0
@@ -416,7 +407,8 @@ def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
 
 def _lora_sum_kept_wide(node: object) -> bool:
     """A ``fuser::lora_sum`` that rounds its sum (peft's order): lora_sum's refinements, which run after this one,
-    add such a sum to the residual in fp32 before the norm (issue 16), and take the add themselves."""
+    add such a sum to the residual in fp32 before the norm (so that its rounding does not erase a small LoRA term),
+    and take the add themselves."""
     return (
         isinstance(node, torch.fx.Node)
         and node.target is torch.ops.fuser.lora_sum.default
@@ -455,7 +447,10 @@ def _residual_operands(norm: torch.fx.Node, order: dict[torch.fx.Node, int]) -> 
         raise Decline(f"`{add.name}` adds tensors on different devices")
     wide = [v.name for v in (a, b) if _lora_sum_kept_wide(v)]
     if wide:
-        raise Decline(f"`{wide[0]}` is a LoRA sum: lora_sum's refinement adds it to the residual in fp32 (issue 16)")
+        raise Decline(
+            f"`{wide[0]}` is a LoRA sum: lora_sum's refinement adds it to the residual in fp32, so that rounding "
+            "does not erase a LoRA term smaller than half the residual's ulp"
+        )
     norms = [u for u in add.users if u.op == "call_function" and u.target in _NORM_OPS]
     if norms != [norm]:
         raise Decline(f"`{add.name}` feeds {len(norms)} norms: the op absorbs an add into one")
@@ -544,8 +539,8 @@ RMS_NORM = Pattern(
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
 )
 
-# on by default: under full fine-tuning it took Llama-3.2-1B's peak from 16.45 to 15.45 GiB at 0.5 % more tokens/s on
-# the H200 (benchmarks/results/LOG.md, 2026-12-02 07:04); for LoRA, RmsNormLinearConfig.lora says why it is off
+# on by default: under full fine-tuning it lowers the peak and costs no speed (docs/defaults.md, rms_norm_linear); for
+# LoRA, RmsNormLinearConfig.lora says why the norms its adapters read are left out
 RMS_NORM_LINEAR = Pattern(
     "rms_norm_linear",
     VARIANTS,

@@ -48,21 +48,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class UpcastLinearConfig:
-    """The upcast linear's (and lora_sum's) kernels and refinement.
-
-    triton:                 on a GPU, weights of at most 64 rows (LoRA ranks) take fuser's Triton kernels
-                            (``fuser/kernels/upcast_linear.py``; lora_sum's op runs the same kernels); ``False``
-                            keeps cuBLAS's fp32 matmuls. Default ``True`` (3–5x faster on the H200).
-    recompute_gated_input:  an upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection)
-                            recomputes the product in its backward instead of saving it. Default ``True``.
-    group_shared_inputs:    upcast linears of one input (peft's LoRA A of q/k/v, of gate/up) become one op on
-                            their concatenated weights (at most 64 rows), its output sliced per adapter: the input
-                            read once each way, one ``dx``. Default ``True``.
-    """
+    """The upcast linear's (and lora_sum's) kernels and refinements; each field is described under it."""
 
     triton: bool = True
+    """On a GPU, weights of at most 64 rows (LoRA ranks) take fuser's Triton kernels
+    (``fuser/kernels/upcast_linear.py``; lora_sum's op runs the same kernels); ``False`` keeps cuBLAS's fp32
+    matmuls, which are much slower for such thin weights."""
+
     recompute_gated_input: bool = True
+    """An upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection) recomputes the product
+    in its backward instead of saving it."""
+
     group_shared_inputs: bool = True
+    """Upcast linears of one input (peft's LoRA A of q/k/v, of gate/up) become one op on their concatenated weights
+    (at most 64 rows), its output sliced per adapter: the input read once each way, one ``dx``."""
 
     def __post_init__(self) -> None:
         check_fields(self, "upcast_linear")
