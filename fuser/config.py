@@ -91,6 +91,27 @@ class FuserConfig:
                      autograd keeps the backward replay's output buffer itself as ``.grad`` (PyTorch issue 169545),
                      and fuser copies it out of the graphs' memory before the next call replays over it
                      (``fuser/engine/graph_pool_grads.py``); without accumulation nothing is copied.
+    padding_free:    a call with padding in its ``attention_mask`` runs as one packed row of its real tokens
+                     (default ``False``): ``input_ids`` ``[B, T]`` become ``[1, N]``, with the padded call's
+                     ``position_ids`` gathered alongside (restarting at each right-padded row) and ``labels``
+                     gathered with each row's first one ignored, the mask dropped and ``use_cache=False``, so that
+                     transformers builds a block-diagonal causal mask from the positions; ``logits`` (where returned)
+                     come back as ``[B, T, V]`` with zeros at the pad positions. The per-token work (projections,
+                     norms, MLP, lm_head and loss) then runs on real tokens only; loss, ``num_items_in_batch`` and
+                     every gradient are the padded call's. Only through ``fuser.optimize`` / ``optimize_`` (the
+                     backend alone sees graphs, not batches). It assumes a transformers causal LM with ``sdpa`` or
+                     ``eager`` attention and the per-token causal-LM loss; the first call probes, eagerly on six
+                     tokens, that packed documents do not attend to each other (an exact zero gradient across
+                     them). Each call costs a host read of the mask, labels and positions (one device
+                     synchronisation); every batch has another packed length, so Dynamo compiles a second,
+                     dynamic-length graph at the second batch; the packed graph's attention takes a mask built from
+                     the positions (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU).
+                     Where packing is not shown exact the call runs padded and fuser says why once (logger
+                     ``"fuser"``, ``fuser.report(model).padding_free``): hidden states, attentions, router logits or
+                     a cache asked for, ``inputs_embeds`` or other inputs it cannot gather (pixel inputs,
+                     ``token_type_ids``), a mask with holes, labels that make the padded loss read a pad position,
+                     another attention implementation, a model whose mask ignores ``position_ids``
+                     (``fuser/padding_free.py`` lists every case). Off until measured on a GPU.
 
     Each pattern with options of its own has them in one field, a frozen dataclass documented where the pattern
     is; give it as that dataclass or as a dict of its fields (``options=`` takes the same dicts), the fields left
@@ -128,6 +149,7 @@ class FuserConfig:
     inline_ops: bool = True
     embedding_grads: bool = True
     cuda_graphs: bool = False
+    padding_free: bool = False
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -148,6 +170,7 @@ class FuserConfig:
             "inline_ops",
             "embedding_grads",
             "cuda_graphs",
+            "padding_free",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
