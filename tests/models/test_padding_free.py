@@ -226,8 +226,10 @@ def step_compiled(compiled, model, data):
 
 def test_three_batches_through_optimize_compile_twice_and_train_like_the_padded_run():
     """Llama through fuser (strict): right-, mixed- and left-padded batches of 17, 20 and 16 real tokens; the second
-    length compiles a dynamic graph that serves the third; every block fuses in both graphs."""
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", padding_free=True)
+    length compiles a dynamic graph that serves the third; every block fuses in both graphs. The fused ops run
+    their own backward either way; the inner compiler is eager to keep CI short (the Gemma-3 test goes through AOT
+    autograd)."""
+    config = fuser.FuserConfig(strict=True, inner_compiler="eager", padding_free=True)
     compiled = _compiled_steps("llama", config, [padded_batch(*b) for b in BATCHES.values()])
     report = fuser.report(compiled)
     assert report.graphs == 2 and report.recompiles == 1, str(report)
@@ -307,3 +309,51 @@ def test_trainer_with_a_padding_collator_trains_packed(tmp_path):
     assert report.padding_free.packed == 2 and not report.padding_free.declined
     assert report.padding_free.real_tokens == 34 and report.graphs == 1
     assert type(model) is transformers.LlamaForCausalLM
+
+
+def test_sft_trainer_trains_packed_through_trls_fused_lm_head(tmp_path):
+    """TRL's SFTTrainer (fp32): its chunked LM head returns per-token outputs of the shifted length, which come back
+    in the batch's shape, and the losses are the padded run's."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    transformers.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(3)
+    rows = {"input_ids": [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 9, 4, 4)]}
+
+    def losses(model, out_dir):
+        args = trl.SFTConfig(
+            output_dir=str(out_dir),
+            per_device_train_batch_size=3,
+            max_steps=2,
+            learning_rate=1e-3,
+            lr_scheduler_type="constant",
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            train_sampling_strategy="sequential",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        data = datasets.Dataset.from_dict(rows)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
+        found = []
+        step = trainer.training_step
+
+        def record(*args, **kwargs):
+            loss = step(*args, **kwargs)
+            found.append(loss.item())
+            return loss
+
+        trainer.training_step = record
+        trainer.train()
+        return found
+
+    plain = losses(tiny("llama"), tmp_path / "plain")
+    model = fuser.optimize_(tiny("llama"), {"padding_free": True, "patterns": (), "inner_compiler": "eager"})
+    packed = losses(model, tmp_path / "packed")
+    assert len(packed) == 2
+    for got, want in zip(packed, plain, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert fuser.report(model).padding_free.packed == 2
