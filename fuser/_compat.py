@@ -223,24 +223,43 @@ def within_each_call(compiled: torch.nn.Module, context: Callable[[], contextlib
     """Run every call of ``compiled``'s Dynamo-compiled forward inside a fresh ``context()``, so what it sets
     holds while Dynamo traces (the first call compiles; a recompile is a later call) and nowhere else.
 
+    ``torch.compile`` gives a backend no hook of its own around calls: Dynamo enters a backend's
+    ``backend_ctx_ctor`` only for ``torch._dynamo.optimize(backend)``, and ``torch.compile`` hands Dynamo its own
+    wrapper of the backend instead (:func:`wrap_compiled_call` says where the call is replaced).
+    """
+
+    def around(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return inner(*args, **kwargs)
+
+        return call
+
+    wrap_compiled_call(compiled, around)
+
+
+def wrap_compiled_call(compiled: torch.nn.Module, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``compiled``'s Dynamo-compiled call by ``around(call)``.
+
     ``compiled`` is what ``torch.compile(module)`` returned (``OptimizedModule``: its ``forward`` attribute is the
     compiled ``__call__`` of the original) or a module that ``module.compile()`` compiled in place (its
-    ``_compiled_call_impl``). ``torch.compile`` gives a backend no hook of its own around calls: Dynamo enters a
-    backend's ``backend_ctx_ctor`` only for ``torch._dynamo.optimize(backend)``, and ``torch.compile`` hands
-    Dynamo its own wrapper of the backend instead. Type, parameters and ``state_dict`` keys are unchanged; a
-    pickled or deep-copied ``OptimizedModule`` rebuilds its ``forward`` without the context (Dynamo's default).
+    ``_compiled_call_impl``). Type, parameters and ``state_dict`` keys are unchanged; a pickled or deep-copied
+    ``OptimizedModule`` rebuilds its ``forward`` without the wrapper (Dynamo's default).
     """
     attribute = "forward" if is_compiled_wrapper(compiled) else "_compiled_call_impl"
     inner = getattr(compiled, attribute, None)
     if inner is None:
-        raise TypeError(f"fuser: {type(compiled).__name__} has no compiled call to run inside a context")
+        raise TypeError(f"fuser: {type(compiled).__name__} has no compiled call to wrap")
+    setattr(compiled, attribute, around(inner))
 
-    @functools.wraps(inner)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with context():
-            return inner(*args, **kwargs)
 
-    setattr(compiled, attribute, call)
+def eager_call(compiled: torch.nn.Module) -> Callable[..., Any]:
+    """Call the module that ``compiled`` compiles without compiling: the original of an ``OptimizedModule``, or
+    the module's own ``_call_impl`` (its hooks and ``forward``) where ``module.compile()`` compiled it in place."""
+    if is_compiled_wrapper(compiled):
+        return compiled._orig_mod
+    return compiled._call_impl
 
 
 @contextlib.contextmanager

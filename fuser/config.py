@@ -124,6 +124,26 @@ class FuserConfig:
     ``.grad``, so fuser copies such a ``.grad`` out of the graphs' memory before the next call replays over it
     (``fuser/engine/graph_pool_grads.py``); a step without accumulation copies nothing."""
 
+    padding_free: bool = False
+    """A call with padding in its ``attention_mask`` runs as one packed row of its real tokens: ``input_ids``
+    ``[B, T]`` become ``[1, N]``, with the padded call's ``position_ids`` gathered alongside (restarting at each
+    right-padded row) and ``labels`` gathered with each row's first one ignored, the mask dropped and
+    ``use_cache=False``, so that transformers builds a block-diagonal causal mask from the positions; ``logits``
+    (where returned) come back as ``[B, T, V]`` with zeros at the pad positions. The per-token work (projections,
+    norms, MLP, lm_head and loss) then runs on real tokens only; the loss, ``num_items_in_batch`` and every gradient
+    are the padded call's. Only through ``fuser.optimize`` / ``optimize_`` (the backend alone sees graphs, not
+    batches). It assumes a transformers causal LM with ``sdpa`` or ``eager`` attention and the per-token causal-LM
+    loss; the first call probes, eagerly on six tokens, that packed documents do not attend to each other (an exact
+    zero gradient across them). Each call reads the mask, labels and positions on the host (one device
+    synchronisation); every batch has another packed length, so Dynamo compiles a second, dynamic-length graph at the
+    second batch; the packed graph's attention takes a mask built from the positions
+    (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU). Where packing is not shown exact the
+    call runs padded and fuser says why once (logger ``"fuser"``, ``fuser.report(model).padding_free``): hidden
+    states, attentions, router logits or a cache asked for, ``inputs_embeds`` or other inputs it cannot gather (pixel
+    inputs, ``token_type_ids``), a mask with holes, labels that make the padded loss read a pad position, another
+    attention implementation, a model whose mask ignores ``position_ids`` (``fuser/padding_free.py`` lists every
+    case). Off by default until measured on a GPU."""
+
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     """How the fused lm_head + cross-entropy forms the lm_head's weight gradient."""
 
@@ -158,6 +178,7 @@ class FuserConfig:
             "inline_ops",
             "embedding_grads",
             "cuda_graphs",
+            "padding_free",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

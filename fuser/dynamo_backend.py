@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -15,11 +16,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from fuser import _compat
+from fuser import _compat, padding_free
 from fuser.config import FuserConfig
 from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
+from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
 from fuser.report import UNKNOWN_REASON, GraphBreak, Report, graph_break
 from fuser.tracing import tracing_context
@@ -138,6 +140,9 @@ class FuserBackend:
         # ran it eagerly (_compat.DynamoGaveUp's causes), the first time for each; seen in the calls that optimize
         # and optimize_ scope, not where torch.compile is given this backend directly
         self.gave_up: dict[str, str] = {}
+        # what FuserConfig.padding_free did in the calls of the models optimize / optimize_ compiled through it
+        self.padding_free = PaddingFreeStats()
+        self.padding_free_wrapped = False  # some model's calls go through padding_free (optimize / optimize_)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -204,6 +209,13 @@ class FuserBackend:
         warnings.warn(message, RuntimeWarning, stacklevel=3)  # the line that called _warn_once's caller
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        if self.config.padding_free and not self.padding_free_wrapped:
+            self._warn_once(
+                "padding_free_backend",
+                "fuser: FuserConfig.padding_free packs a model's batches in the calls of what fuser.optimize or "
+                "fuser.optimize_ compiled; torch.compile(backend='fuser') gives the backend graphs, not batches, so "
+                "this model runs padded. Use fuser.optimize / fuser.optimize_ instead.",
+            )
         start = time.perf_counter()
         index = len(self.results) + 1
         log.info("fuser: compiling graph %d (%d nodes)...", index, len(gm.graph.nodes))
@@ -322,7 +334,15 @@ class FuserBackend:
         out.breaks = list(self.breaks)
         out.inlined = dict(self.inliner.inlined)
         out.not_inlined = dict(self.inliner.declined)
+        if self.config.padding_free:
+            out.padding_free = dataclasses.replace(self.padding_free, declined=dict(self.padding_free.declined))
         return out
+
+    def wrap_padding_free(self, compiled: torch.nn.Module, model: torch.nn.Module) -> None:
+        """Send the calls of ``compiled`` (``model`` compiled by :func:`optimize` or :func:`optimize_`) through
+        ``FuserConfig.padding_free``'s packing (:mod:`fuser.padding_free`)."""
+        padding_free.wrap(compiled, _compat.eager_call(compiled), model, self.padding_free)
+        self.padding_free_wrapped = True
 
 
 _BACKENDS: dict[FuserConfig, FuserBackend] = {}
@@ -390,6 +410,8 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
     _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
     _compat.within_each_call(compiled, chosen.calls_scope)
+    if chosen.config.padding_free:
+        chosen.wrap_padding_free(compiled, model)
     return compiled
 
 
@@ -414,6 +436,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
     _compat.within_each_call(model, chosen.calls_scope)
+    if chosen.config.padding_free:
+        chosen.wrap_padding_free(model, model)
     return model
 
 

@@ -14,6 +14,7 @@ from fuser import _compat
 from fuser.config import FuserConfig
 from fuser.engine.canonical import location
 from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
+from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
 from fuser.tracing import tracing_context
 
@@ -78,6 +79,9 @@ class Report:
     inlined:       ``fuser.report``: fused op → its calls in compiled GPU graphs that Inductor launches the kernels
                    of itself (``FuserConfig.inline_ops``), over the forward and the backward graphs compiled so far.
     not_inlined:   fused op → why a call of it stayed an op call (the last reason given), in words.
+    padding_free:  with ``FuserConfig.padding_free``: the calls run packed, their real and padded token counts, and
+                   why the others ran padded (``.packed``, ``.real_tokens``, ``.padded_tokens``, ``.declined``);
+                   ``None`` with it off.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -92,6 +96,7 @@ class Report:
     runs: list[int] = field(default_factory=list)
     inlined: dict[str, int] = field(default_factory=dict)
     not_inlined: dict[str, str] = field(default_factory=dict)
+    padding_free: PaddingFreeStats | None = None
 
     @property
     def graph_breaks(self) -> int:
@@ -153,6 +158,8 @@ class Report:
                 by_reason.setdefault(why, []).append(op)
             for why, ops in by_reason.items():  # one line per reason: on CPU every op gives the same one
                 lines.append(f"  not inlined: {', '.join(ops)}: {why}")
+        if self.padding_free is not None:
+            lines.append(str(self.padding_free))
         return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ RULES = {
     "a throughput": r"\btok(?:ens)?/s\b|\b[TGM]B/s\b",
     "a measured time": r"\d(?:\.\d+)?\s?(?:ms|µs|us|ns)\b",
     "a speed-up ratio": r"\d(?:\.\d+)?[x×](?![\w.])",
-    "a percentage": r"\d(?:\.\d+)?\s?%",
+    "a percentage": r"(?<![.:])\b\d+(?:\.\d+)?\s?%",  # not a format spec such as {share:.0%}
     "a measured memory size": r"\d\.\d+\s?(?:GiB|MiB|GB|MB)\b",
 }
 
