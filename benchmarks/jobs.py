@@ -233,6 +233,9 @@ class Job:
 JOBS = {
     "llama3-8b-lora": Job("llama3-8b", "lora", 4, 2048, about="Llama-3-8B, LoRA r16 on all linear layers"),
     "qwen3-8b-lora": Job("qwen3-8b", "lora", 4, 2048, about="Qwen3-8B, LoRA r16 on all linear layers"),
+    "llama3-8b-lora-amp": Job(
+        "llama3-8b", "lora", 4, 2048, autocast=True, about="Llama-3-8B, LoRA r16, bf16 autocast (as Trainer(bf16=True))"
+    ),
     "llama32-1b-full": Job("llama32-1b", "full", 4, 2048, about="Llama-3.2-1B, full fine-tune"),
     "llama32-1b-full-amp": Job(
         "llama32-1b", "full", 4, 2048, autocast=True, about="Llama-3.2-1B, full fine-tune, fp32 weights, bf16 autocast"
