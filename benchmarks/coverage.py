@@ -16,8 +16,8 @@ alone), and each buildable model:
   MLPs (executed modules holding gate and up projections: ``gate_proj``+``up_proj``, ``w1``+``w3``, or a packed
   ``gate_up_proj`` linear or expert parameter), un-gated MLPs (runs of the first projection of a module holding an
   up and a down projection and no gate: ``fc1``+``fc2``, ``c_fc``+``c_proj``, ``dense_h_to_4h``+``dense_4h_to_h``,
-  ``fc_in``+``fc_out``, ``up_proj``+``down_proj``) and a loss from the lm_head (1 when the output embedding ran and
-  a loss came back);
+  ``fc_in``+``fc_out``, ``up_proj``+``down_proj``, ``intermediate``+``output``) and a loss from the lm_head (1
+  when the output embedding ran and a loss came back);
 - runs ``fuser.explain(model, input_ids=ids, labels=ids)`` with the default ``FuserConfig`` and reads the fused ops
   the forward ran (``Report.executed``: a graph Dynamo compiled once and ran for each decoder layer counts each time):
   norm = rms_norm + rms_norm_linear + layer_norm, rope, gated = swiglu + geglu + reglu, mlp = mlp_activation,
@@ -84,6 +84,7 @@ UNGATED_PAIRS = (
     ("dense_h_to_4h", "dense_4h_to_h"),
     ("fc_in", "fc_out"),
     ("up_proj", "down_proj"),
+    ("intermediate", "output"),  # ProphetNet's feed-forward
 )
 LAYERS = 2
 VOCAB = 512
