@@ -82,8 +82,9 @@ def test_reference_is_the_eager_activation_and_its_autograd(activation, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_triton_matches_fp64_reference(activation, dtype, with_bias, gen):
-    # 63 and 1100 columns: ragged column blocks; 300 rows: several row tiles per backward program
-    for shape in ((300, 63), (2, 5, 1100)):
+    # 63 and 1100 columns: ragged column blocks; 300 rows: several row tiles per backward program (the wide shape in
+    # one dtype: the column blocks do not depend on it)
+    for shape in ((300, 63), (2, 5, 1100))[: 2 if dtype == torch.float32 else 1]:
         x, dy = randn(shape, gen, dtype, 2.0), randn(shape, gen, dtype)
         bias = randn(shape[-1], gen, dtype) if with_bias else None
         y = bias_activation_forward(x, bias, activation, impl="triton", out=torch.full(shape, math.nan, dtype=dtype))

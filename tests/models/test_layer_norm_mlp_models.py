@@ -38,7 +38,7 @@ def build(arch: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
 def test_explain_counts_every_layer_norm_and_mlp(arch):
     report = fuser.explain(build(arch), **batch())
     counts = {k: v for k, v in report.counts.items() if k in EXPECTED}
