@@ -8,16 +8,20 @@ reason; a build or forward that fails is recorded with its error. The types run 
 type past ``--timeout`` seconds is stopped by an alarm; one that crashes or hangs its subprocess is run again
 alone), and each buildable model:
 
-- runs one eager forward with labels and counts what it executes: RMSNorm modules (forward hooks on modules
-  whose class name says RMSNorm, or a Norm module whose forward's source takes an rsqrt / ``** -0.5`` / rms_norm
-  without subtracting a mean), rotary applications (calls of the modeling module's functions and methods whose
+- runs one eager forward with labels and counts what it executes: norm modules (forward hooks on modules whose
+  class name says RMSNorm, or a Norm module whose forward's source takes an rsqrt / ``** -0.5`` / rms_norm without
+  subtracting a mean; and LayerNorms: ``nn.LayerNorm``, or a LayerNorm class whose source subtracts the mean),
+  rotary applications (calls of the modeling module's functions and methods whose
   name holds "rot" and "apply", e.g. ``apply_rotary_pos_emb``; outermost calls only, restored afterwards), gated
   MLPs (executed modules holding gate and up projections: ``gate_proj``+``up_proj``, ``w1``+``w3``, or a packed
-  ``gate_up_proj`` linear or expert parameter) and a loss from the lm_head (1 when the output embedding ran and
-  a loss came back);
+  ``gate_up_proj`` linear or expert parameter), un-gated MLPs (runs of the first projection of a module holding an
+  up and a down projection and no gate: ``fc1``+``fc2``, ``c_fc``+``c_proj``, ``dense_h_to_4h``+``dense_4h_to_h``,
+  ``fc_in``+``fc_out``, ``up_proj``+``down_proj``, ``intermediate``+``output``) and a loss from the lm_head (1
+  when the output embedding ran and a loss came back);
 - runs ``fuser.explain(model, input_ids=ids, labels=ids)`` with the default ``FuserConfig`` and reads the fused ops
   the forward ran (``Report.executed``: a graph Dynamo compiled once and ran for each decoder layer counts each time):
-  norm = rms_norm + rms_norm_linear, rope, gated = swiglu + geglu, loss = linear_cross_entropy;
+  norm = rms_norm + rms_norm_linear + layer_norm, rope, gated = swiglu + geglu + reglu, mlp = mlp_activation,
+  loss = linear_cross_entropy;
 - per block: ``fused n/n``, ``m/n`` with the near-miss reason (shortened) when fuser declined or missed some,
   ``absent`` (the eager model does not run it), and ``OVER m/n`` when fuser matched more often than eager runs the
   block — a false match, or a form this harness does not count (the report lists them; the total must be 0).
@@ -64,14 +68,24 @@ import torch
 # run measures the code beside it; the workers, started with this interpreter and file, do the same
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BLOCKS = ("norm", "rope", "gated", "loss")
+BLOCKS = ("norm", "rope", "gated", "mlp", "loss")
 # which fuser patterns count for which block
 PATTERNS_OF = {
-    "norm": ("rms_norm", "rms_norm_linear"),
+    "norm": ("rms_norm", "rms_norm_linear", "layer_norm"),
     "rope": ("rope",),
-    "gated": ("swiglu", "geglu"),
+    "gated": ("swiglu", "geglu", "reglu"),
+    "mlp": ("mlp_activation",),
     "loss": ("linear_cross_entropy",),
 }
+# an un-gated MLP's (up, down) projections, by the names transformers gives them
+UNGATED_PAIRS = (
+    ("fc1", "fc2"),
+    ("c_fc", "c_proj"),
+    ("dense_h_to_4h", "dense_4h_to_h"),
+    ("fc_in", "fc_out"),
+    ("up_proj", "down_proj"),
+    ("intermediate", "output"),  # ProphetNet's feed-forward
+)
 LAYERS = 2
 VOCAB = 512
 SEQ = 24
@@ -293,6 +307,34 @@ def _is_rms_norm_module(module: torch.nn.Module) -> bool:
     return rms and not centred and ("mean" in source or "sum" in source or "rms_norm" in source)
 
 
+def _is_layer_norm_module(module: torch.nn.Module) -> bool:
+    if isinstance(module, torch.nn.LayerNorm):
+        return True
+    name = type(module).__name__.lower()
+    if "layernorm" not in name and "layer_norm" not in name:
+        return False
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):
+        return False
+    return any(s in source for s in ("- mean", "-mean", "- u)", "layer_norm"))
+
+
+def _is_norm_module(module: torch.nn.Module) -> bool:
+    return _is_rms_norm_module(module) or _is_layer_norm_module(module)
+
+
+def _ungated_up_projection(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The first projection of an un-gated MLP that ``module`` holds (its up and down projections, no gate), or None."""
+    if _is_gated_mlp_module(module):
+        return None
+    children = dict(module.named_children())
+    for up, down in UNGATED_PAIRS:
+        if up in children and down in children and not {"gate_proj", "w3"} & set(children):
+            return children[up]
+    return None
+
+
 def _is_gated_mlp_module(module: torch.nn.Module) -> bool:
     names = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
     if "gate_up_proj" in names or {"gate_proj", "up_proj"} <= names or {"w1", "w3"} <= names:
@@ -365,13 +407,17 @@ def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, A
     handles = []
     ran_gated: set[str] = set()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for block, test in (("norm", _is_rms_norm_module), ("gated", _is_gated_mlp_module)):
+    for block, test in (("norm", _is_norm_module), ("gated", _is_gated_mlp_module)):
         for path, module in [(p, m) for p, m in model.named_modules() if test(m)]:
             if not any(test(d) for d in module.modules() if d is not module):
                 if block == "gated":
                     handles.append(module.register_forward_hook(lambda *_, p=path: ran_gated.add(p)))
                 # the innermost only: a wrapper such as a gated norm around an RMSNorm module counts once
                 handles.append(module.register_forward_hook(lambda *_, b=block: counter.update([b])))
+    for module in model.modules():
+        up = _ungated_up_projection(module)
+        if up is not None:
+            handles.append(up.register_forward_hook(lambda *_: counter.update(["mlp"])))
     if head is not None:
         handles.append(head.register_forward_hook(lambda *_: counter.update(["head"])))
     try:
@@ -381,7 +427,7 @@ def eager_counts(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, A
         for h in handles:
             h.remove()
     loss = getattr(out, "loss", None)
-    counts = {b: counter[b] for b in ("norm", "rope", "gated")}
+    counts = {b: counter[b] for b in ("norm", "rope", "gated", "mlp")}
     counts["loss"] = int(loss is not None and counter["head"] > 0)
     counts["gated_modules"] = sorted(ran_gated)
     return counts, out
@@ -705,8 +751,9 @@ def markdown(records: list[dict[str, Any]], command: str, started: str, seconds:
         "FuserConfig",
         "- cells: `fused n/n`; `m/n: reason` (fuser fused m of the n the eager model runs; the first near-miss "
         "reason, shortened); `absent` (eager does not run it); `OVER m/n` (fuser matched more than eager runs)",
-        "- eager counts: RMSNorm modules executed, calls of `*rot*apply*` functions, executed modules with "
-        "gate+up (or packed gate_up) projections, 1 for a loss from the lm_head",
+        "- eager counts: RMSNorm and LayerNorm modules executed, calls of `*rot*apply*` functions, executed modules "
+        "with gate+up (or packed gate_up) projections, runs of an un-gated MLP's first projection, 1 for a loss from "
+        "the lm_head",
         "",
         "## Summary",
         "",
@@ -750,7 +797,7 @@ def markdown(records: list[dict[str, Any]], command: str, started: str, seconds:
     lines += ["", "## Why not: each buildable architecture not fully fused", ""]
     for r in records:
         if r["status"] == "ok" and not fully_fused(r):
-            reasons = why_not(r) or ["nothing the harness counts (no RMSNorm, RoPE, gated MLP or lm_head loss)"]
+            reasons = why_not(r) or ["nothing the harness counts (no norm, RoPE, MLP or lm_head loss)"]
             lines.append(f"- **{r['model_type']}**: " + "; ".join(reasons))
     lines += ["", "## Skipped and failed", ""]
     for r in records:

@@ -10,7 +10,9 @@ from typing import Any
 
 from fuser.config import FuserConfig
 from fuser.dynamo_backend import FuserError, backend, optimize, optimize_, report
+from fuser.kernels.bias_activation import bias_activation
 from fuser.kernels.gated_activation import geglu, swiglu
+from fuser.kernels.layer_norm import layer_norm
 from fuser.kernels.linear_cross_entropy import linear_cross_entropy
 from fuser.kernels.lora_sum import lora_sum
 from fuser.kernels.rms_norm import rms_norm
@@ -28,8 +30,10 @@ __all__ = [
     "FuserError",
     "Report",
     "backend",
+    "bias_activation",
     "explain",
     "geglu",
+    "layer_norm",
     "linear_cross_entropy",
     "lora_sum",
     "optimize",

@@ -9,10 +9,11 @@ import torch
 
 from tests.models.tiny import load_benchmark
 
-# fully fused today: every RMSNorm, rotary application, gated MLP and the lm_head loss the eager model runs
-# (gpt2: its loss_function's logger.warning_once breaks no graph under FuserConfig.ignore_logging)
+# fully fused today: every RMSNorm and LayerNorm, rotary application, gated and un-gated MLP and the lm_head loss the
+# eager model runs (gpt2: its loss_function's logger.warning_once breaks no graph under FuserConfig.ignore_logging)
 FULLY_FUSED = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2", "gpt_neox", "qwen3_moe", "gptj", "gpt2"]
 FULLY_FUSED += ["deepseek_v2"]  # rotary through view_as_complex, rotations unsqueezed once for q and k
+FULLY_FUSED += ["opt", "falcon", "phi", "starcoder2"]  # LayerNorm; ReLU, GELU (matmul projections), gelu_new, tanh
 # one block is known not to fuse, and says why (every other block the eager model runs is fused): the block, and a
 # piece of the near-miss reason
 PARTIAL = {
@@ -26,13 +27,15 @@ PARTIAL = {
 # what the eager models run (2 layers; rope in rotated tensors, q and k of a layer are 2): guards the harness's
 # own counting, without which every block would read "absent" and pass
 EAGER = {
-    "llama": {"norm": 5, "rope": 4, "gated": 2, "loss": 1},
-    "qwen3": {"norm": 9, "rope": 4, "gated": 2, "loss": 1},
-    "phi3": {"norm": 5, "rope": 4, "gated": 2, "loss": 1},  # packed gate_up_proj
-    "gpt_neox": {"norm": 0, "rope": 4, "gated": 0, "loss": 1},  # LayerNorm, un-gated GELU MLP
-    "gpt2": {"norm": 0, "rope": 0, "gated": 0, "loss": 1},
-    "gptj": {"norm": 0, "rope": 4, "gated": 0, "loss": 1},  # [B, T, H, D] with cos/sin unsqueezed on dim 2
-    "jetmoe": {"norm": 5, "rope": 4, "gated": 2, "loss": 1},  # 16 graph breaks: a layer's graphs run twice
+    "llama": {"norm": 5, "rope": 4, "gated": 2, "mlp": 0, "loss": 1},
+    "qwen3": {"norm": 9, "rope": 4, "gated": 2, "mlp": 0, "loss": 1},
+    "phi3": {"norm": 5, "rope": 4, "gated": 2, "mlp": 0, "loss": 1},  # packed gate_up_proj
+    "gpt_neox": {"norm": 5, "rope": 4, "gated": 0, "mlp": 2, "loss": 1},  # LayerNorm, un-gated GELU MLP
+    "gpt2": {"norm": 5, "rope": 0, "gated": 0, "mlp": 2, "loss": 1},  # Conv1D (addmm) MLP, gelu_new formula
+    "gptj": {"norm": 3, "rope": 4, "gated": 0, "mlp": 2, "loss": 1},  # [B, T, H, D] with cos/sin unsqueezed on dim 2
+    "opt": {"norm": 5, "rope": 0, "gated": 0, "mlp": 2, "loss": 1},  # fc1/fc2 in the decoder layer itself, ReLU
+    "falcon": {"norm": 3, "rope": 4, "gated": 0, "mlp": 2, "loss": 1},  # parallel attention: one norm a layer
+    "jetmoe": {"norm": 5, "rope": 4, "gated": 2, "mlp": 0, "loss": 1},  # 16 graph breaks: a layer's graphs run twice
 }
 
 
@@ -97,7 +100,7 @@ def test_gpt2_without_ignore_logging_says_a_graph_break_splits_lm_head_and_loss(
     assert "of this graph, not computed in it" in block["reasons"][0] and "graph break" in block["reasons"][0], block
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gptj", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gptj", "gpt2", "opt"])
 def test_training_step_through_fuser_equals_eager(coverage, model_type):
     """The harness's --train-check (strict, aot_eager): loss and every gradient within 1e-4 of eager."""
     assert coverage.train_check(coverage.build(model_type), coverage.batch()) == "equal"

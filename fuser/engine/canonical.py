@@ -51,6 +51,9 @@ _FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
     pow=(operator.pow, torch.pow),
     # torch.rms_norm: what Dynamo records for F.rms_norm and nn.RMSNorm
     rms_norm=(torch.nn.functional.rms_norm, torch.rms_norm),
+    # torch.nn.functional.layer_norm: what Dynamo records for F.layer_norm and nn.LayerNorm
+    layer_norm=(torch.nn.functional.layer_norm, torch.layer_norm),
+    var=(torch.var,),
     silu=(torch.nn.functional.silu,),
     relu=(torch.nn.functional.relu, torch.relu),
     sigmoid=(torch.sigmoid, torch.nn.functional.sigmoid),
@@ -80,6 +83,7 @@ _METHODS = {
     "square": "square",
     "mean": "mean",
     "sum": "sum",
+    "var": "var",
     "sigmoid": "sigmoid",
     "relu": "relu",
     "tanh": "tanh",
@@ -145,6 +149,26 @@ def _reduction(node: Node, op: str) -> Canon | None:
         return None
     dims = _normalise_dims(bound.get("dim"), t.dim())
     return Canon(op, (x, dims, bool(bound.get("keepdim", False))))
+
+
+def _variance(node: Node) -> Canon | None:
+    """``var(x, dims, correction, keepdim)``: ``x.var(-1, keepdim=True, unbiased=False)``, ``torch.var(x, dim=-1,
+    correction=0, keepdim=True)`` and the other spellings, dims negative; ``unbiased`` read as its correction."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    x = args.pop(0) if args else kwargs.pop("input", None)
+    t = tensor_meta(x)
+    if t is None or set(kwargs) - {"dim", "unbiased", "correction", "keepdim"} or len(args) > 3:
+        return None
+    bound: dict[str, Any] = {"dim": None, "keepdim": False}
+    if args and isinstance(args[0], bool):  # var(x, unbiased): over every dim
+        bound["unbiased"] = args.pop(0)
+    bound.update(zip(("dim", "unbiased", "keepdim"), args, strict=False))
+    bound.update(kwargs)
+    if "unbiased" in bound and "correction" in bound:
+        return None
+    correction = bound.get("correction", int(bound.get("unbiased", True)))
+    dims = _normalise_dims(bound["dim"], t.dim())
+    return Canon("var", (x, dims, correction, bool(bound["keepdim"])))
 
 
 def _structural(node: Node, op: str) -> Canon | None:
@@ -415,6 +439,8 @@ def canonical(node: Any) -> Canon | None:
         return None
     if op in ("mean", "sum"):
         return _reduction(node, op)
+    if op == "var":
+        return _variance(node)
     if op in ("silu", "gelu", "chunk", "getitem"):
         return _structural(node, op)
     if op in ("cat", "stack", "flatten"):
@@ -433,6 +459,14 @@ def canonical(node: Any) -> Canon | None:
         bound = dict(zip(names, node.args, strict=False))
         bound.update(kwargs)
         return Canon(op, tuple(bound.get(n) for n in names))
+    if op == "layer_norm":  # (input, normalized_shape, weight, bias, eps), F.layer_norm's default eps filled in
+        names = ["input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"]
+        bound = {"weight": None, "bias": None, "eps": 1e-5, **dict(zip(names, node.args, strict=False)), **kwargs}
+        if set(bound) - set(names):
+            return None
+        return Canon(op, tuple(bound.get(n) for n in names[:5]))
+    if op == "relu" and kwargs.pop("inplace", False) is not False:  # OPT: F.relu(x, inplace=False)
+        return None
     if op in ("add", "sub") and kwargs.pop("alpha", 1) != 1:
         return None
     if op == "div" and kwargs.pop("rounding_mode", None) is not None:

@@ -10,6 +10,9 @@ with, all in fp32 (fp64 for fp64 inputs) whatever the input dtype,
     gelu_tanh(g) = g · σ(2k(g + c·g³)),   k = √(2/π), c = 0.044715   (= ½g(1 + tanh(k(g + c·g³))),
                                                                      ``F.gelu(approximate="tanh")``)
     gelu(g)      = g · Φ(g) = ½g(1 + erf(g/√2))                      (``F.gelu(approximate="none")``)
+    relu(g)      = max(g, 0)                                         (ReGLU)
+    relu2(g)     = max(g, 0)²                                        (squared ReLU: Primer, BitNet, Arcee)
+    gelu_quick(g) = g · σ(1.702g)                                    (QuickGELU: CLIP, some GPT-2 variants)
 
 Backward, recomputing act from the saved g:
 
@@ -19,6 +22,8 @@ Backward, recomputing act from the saved g:
     silu'(g)      = s(1 + g(1 − s)),                  s = σ(g)
     gelu_tanh'(g) = s(1 + 2g(1 − s)·k(1 + 3c·g²)),    s = σ(2k(g + c·g³))
     gelu'(g)      = Φ(g) + g·φ(g),                    φ(g) = exp(−g²/2)/√(2π)
+    relu'(g)      = 1 where g > 0, else 0             relu2'(g) = 2·max(g, 0)
+    gelu_quick'(g) = s(1 + 1.702·g(1 − s)),           s = σ(1.702g)
 
 Forward saves g and u: the inputs themselves without LoRA, otherwise the sums the forward wrote anyway (eager
 would keep g, act(g) and u). The sums are rounded to the input dtype before act, as eager's ``base + lora * s``
@@ -44,7 +49,7 @@ from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels import _triton as tt
 from fuser.kernels._triton import HAS_TRITON, tl, triton
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "relu2", "gelu_quick")
 _ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 
 # the constants of the module docstring's formulas
@@ -52,6 +57,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # k
 _GELU_TANH_C = 0.044715  # c
 _SQRT_HALF = math.sqrt(0.5)  # 1/√2
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)  # φ(0)
+_QUICK_GELU_ALPHA = 1.702  # QuickGELU's scale of the sigmoid's argument
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,7 @@ BASE_GRADS: Wanted = (True, True, False, False)
 
 def _check_activation(activation: str) -> None:
     if activation not in _ACTIVATION_CODE:
-        raise ValueError(
-            f"fuser: gated_activation expects activation 'silu', 'gelu_tanh' or 'gelu', got {activation!r}"
-        )
+        raise ValueError(f"fuser: gated_activation expects an activation of {ACTIVATIONS}, got {activation!r}")
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor, lora: Lora, activation: str) -> None:
@@ -138,6 +142,14 @@ def _reference_activation_and_grad(g: torch.Tensor, activation: str) -> tuple[to
         s = torch.sigmoid(2.0 * _SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g))
         dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * g * g)
         return g * s, s * (1.0 + 2.0 * g * (1.0 - s) * dz)
+    if activation == "relu":
+        return torch.relu(g), (g > 0).to(g.dtype)
+    if activation == "relu2":
+        r = torch.relu(g)
+        return r * r, 2.0 * r
+    if activation == "gelu_quick":
+        s = torch.sigmoid(_QUICK_GELU_ALPHA * g)
+        return g * s, s * (1.0 + _QUICK_GELU_ALPHA * g * (1.0 - s))
     _check_activation(activation)
     cdf = 0.5 * (1.0 + torch.erf(g * _SQRT_HALF))
     return g * cdf, cdf + g * (torch.exp(-0.5 * g * g) * _INV_SQRT_2PI)
@@ -207,6 +219,7 @@ if HAS_TRITON:
     _GELU_TANH_C_TL = tl.constexpr(_GELU_TANH_C)
     _SQRT_HALF_TL = tl.constexpr(_SQRT_HALF)
     _INV_SQRT_2PI_TL = tl.constexpr(_INV_SQRT_2PI)
+    _QUICK_GELU_ALPHA_TL = tl.constexpr(_QUICK_GELU_ALPHA)
 
     @triton.jit
     def _sigmoid(x):
@@ -234,10 +247,21 @@ if HAS_TRITON:
             s = _sigmoid(2.0 * _SQRT_2_OVER_PI_TL * (g + _GELU_TANH_C_TL * g * g * g))
             act = g * s
             dact = s * (1.0 + 2.0 * g * (1.0 - s) * (_SQRT_2_OVER_PI_TL * (1.0 + 3.0 * _GELU_TANH_C_TL * g * g)))
-        else:  # gelu (erf)
+        elif ACTIVATION == 2:  # gelu (erf)
             cdf = 0.5 * (1.0 + tl.erf(g * _SQRT_HALF_TL))
             act = g * cdf
             dact = cdf + g * (tl.exp(-0.5 * g * g) * _INV_SQRT_2PI_TL)
+        elif ACTIVATION == 3:  # relu; a NaN stays NaN, as torch.relu keeps it
+            act = tl.where(g < 0.0, 0.0, g)
+            dact = tl.where(g > 0.0, 1.0, 0.0)
+        elif ACTIVATION == 4:  # relu2
+            r = tl.where(g < 0.0, 0.0, g)
+            act = r * r
+            dact = 2.0 * r
+        else:  # gelu_quick
+            s = _sigmoid(_QUICK_GELU_ALPHA_TL * g)
+            act = g * s
+            dact = s * (1.0 + _QUICK_GELU_ALPHA_TL * g * (1.0 - s))
         return act, dact
 
     @triton.jit

@@ -7,22 +7,22 @@
                                                                      chunks: one fused op per MoE layer)
     peft LoRA            gate = base(x) + lora_B(lora_A(x)) * s      the sums are absorbed into the op
     Gemma (GeGLU)        F.gelu(g, approximate="tanh") * u           also exact GELU
+    ReGLU, BitNet        F.relu(g) * u, relu(g)² * u                 ReLU and squared-ReLU gates (``reglu``)
 
 Declared in order to decline them, saying why (the fused op computes silu or gelu of the raw gate times the raw up):
 
     GPT-OSS, MiniMax-M3  gate * sigmoid(alpha * gate) * (up + 1), gate and up clamped: a scaled sigmoid, not silu
     Inkling-2            tanh(gate / c) * c * sigmoid(gate) * softcap(up): a softcapped gate factor
-    BitNet               relu(gate)² * up (squared ReLU), also relu(gate) * up
 
 The fused op computes the activation in fp32 and saves gate and up (never the activation or the product) for a
-backward that recomputes the activation. Not matched, by construction: ``silu(g) + u``, ``relu(g) * u``,
-GPT-2's ``gelu_new`` written as a tanh formula, un-gated MLPs; and declined when the activation output is used
+backward that recomputes the activation. Not matched, by construction: ``silu(g) + u``, GPT-2's ``gelu_new``
+written as a tanh formula, un-gated MLPs (``mlp_activation``'s); and declined when the activation output is used
 anywhere else, or the product feeds anything but a projection. A custom ``torch.autograd.Function`` counts as a
 projection when its forward multiplies the product by a matrix: under QLoRA the down projection is bitsandbytes'
 ``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
 
 Two refinements after the rewrite, each switched by :class:`GatedMLPConfig` (``FuserConfig.gated_mlp``,
-``options={"gated_mlp": {...}}``, for both swiglu and geglu): a trainable down projection fed the fused product
+``options={"gated_mlp": {...}}``, for swiglu, geglu and reglu): a trainable down projection fed the fused product
 recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it, and Inductor's post-grad
 graphs write the gated backward's gradients over its inputs where nobody can observe it
 (``fuser.patterns.gated_mlp_inplace``, this pattern's ``post_grad`` passes).
@@ -110,6 +110,10 @@ def _gelu(g):
     return Op("gelu", g, C("approximate"))
 
 
+def _relu(g):  # ReGLU, and BitNet's squared ReLU (torch.square or pow)
+    return OneOf(Op("pow", Op("relu", g), S("power")), Op("relu", g))
+
+
 _GELU_MODES = {"tanh": "gelu_tanh", "none": "gelu"}
 
 
@@ -133,7 +137,7 @@ def _clamped(node: Any) -> str:
     return f" clamped to [{_number(lo)}, {_number(hi)}]"
 
 
-_ONLY = "the fused op computes silu(gate)·up or gelu(gate)·up of the projections as they are"
+_ONLY = "the fused op computes silu, gelu, relu or relu² of the gate times up, of the projections as they are"
 
 
 def _offset(node: Any) -> tuple[Any, Any] | None:
@@ -175,15 +179,6 @@ def _why_softcapped(b: dict[str, Any]) -> str:
     return f"{why}: {_ONLY}"
 
 
-def _why_relu(b: dict[str, Any]) -> str:
-    """BitNet: ``relu(gate)² * up`` (squared ReLU); ReGLU: ``relu(gate) * up``."""
-    power = b.get("power")
-    act = (
-        "relu(gate)" if power is None else "relu(gate)², squared ReLU" if power == 2 else f"relu(gate)^{_number(power)}"
-    )
-    return f"the gate's activation is {act}, not silu or gelu: {_ONLY}"
-
-
 def _softcap(x: Any, name: str) -> Op:
     return Op("mul", Op("tanh", Op("div", x, S(f"{name}_cap"))), S(f"{name}_cap"))
 
@@ -201,12 +196,6 @@ _DECLINED = [
         "softcapped",
         Op("mul", Op("mul", _softcap(V("gate"), "gate"), Op("sigmoid", V("gate"))), V("up")),
         GatedForm(packed=False, unsupported=_why_softcapped),
-        declines=True,
-    ),
-    Variant(
-        "relu",
-        Op("mul", OneOf(Op("pow", Op("relu", V("gate")), S("power")), Op("relu", V("gate"))), V("up")),
-        GatedForm(packed=False, unsupported=_why_relu),
         declines=True,
     ),
 ]
@@ -359,10 +348,14 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     other = _non_projection_user(found.root)
     if other is not None:
         raise Decline(f"the product is also used by {other}, not only by a projection")
-    if activation != "silu":
+    if activation == "gelu":
         if b.get("approximate") not in _GELU_MODES:
             raise Decline(f"gelu approximate={b.get('approximate')!r} is not 'tanh' or 'none'")
         activation = _GELU_MODES[b["approximate"]]
+    elif activation == "relu" and "power" in b:
+        if scalar_hint(b["power"]) != 2:
+            raise Decline(f"the gate's activation is relu(gate) to the power {b['power']}: {_ONLY}")
+        activation = "relu2"
     bases = ["gate_up"] if variant.params.packed else ["gate", "up"]
     tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
     if any(t.dtype not in FLOAT_DTYPES for t in tensors.values()):
@@ -504,5 +497,13 @@ GEGLU = Pattern(
     lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
+    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+)
+REGLU = Pattern(
+    "reglu",
+    _variants(_relu),
+    lambda found, variant, config: _check(found, variant, "relu"),
+    anchors=frozenset(),
+    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"relu", "relu2"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
 )

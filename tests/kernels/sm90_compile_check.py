@@ -32,8 +32,10 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 import fuser.kernels._triton as T
+import fuser.kernels.bias_activation as BA
 import fuser.kernels.embedding_grad as E
 import fuser.kernels.gated_activation as G
+import fuser.kernels.layer_norm as LN
 import fuser.kernels.linear_cross_entropy as L
 import fuser.kernels.lora_sum as LS
 import fuser.kernels.rms_norm as R
@@ -172,6 +174,32 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
         "add_rms_norm backward (two stores)": lambda: ops["add_rms_norm_backward_op"](
             x, x, x, w, t(2, rows, dtype=torch.float32), 1e-6, 0.0, None, True, torch.float32
         ),
+        "layer_norm": lambda: ops["layer_norm_op"](x, w, w, 1e-5, None),
+        "layer_norm, no affine": lambda: ops["layer_norm_op"](x, None, None, 1e-5, None),
+        # autocast: a half-precision x, fp32 weight and bias, an fp32 result
+        "layer_norm, fp32 parameters and result": lambda: ops["layer_norm_op"](
+            x, w.to(torch.float32), w.to(torch.float32), 1e-5, torch.float32
+        ),
+        "layer_norm backward": lambda: ops["layer_norm_backward_op"](
+            x, x, w, t(2, rows, dtype=torch.float32), t(2, rows, dtype=torch.float32), True, True, dt
+        ),
+        "layer_norm backward, no weight or bias": lambda: ops["layer_norm_backward_op"](
+            x, x, None, t(2, rows, dtype=torch.float32), t(2, rows, dtype=torch.float32), False, False, None
+        ),
+        "bias_activation, gelu, fp32 bias": lambda: ops["bias_activation_op"](
+            g, t(inter, dtype=torch.float32), "gelu", None
+        ),  # fmt: skip
+        "bias_activation, relu2, no bias": lambda: ops["bias_activation_op"](g, None, "relu2", None),
+        "bias_activation backward, gelu_new": lambda: ops["bias_activation_backward_op"](
+            g, g, t(inter, dtype=dt), "gelu_tanh", True
+        ),
+        "bias_activation backward, quick gelu, no bias": lambda: ops["bias_activation_backward_op"](
+            g, g, None, "gelu_quick", False
+        ),
+        "reglu": lambda: ops["gated_activation_op"](g, u, None, None, 1.0, 1.0, "relu"),
+        "gated backward, relu2": lambda: ops["gated_activation_backward_op"](
+            g, g, u, 1.0, 1.0, True, True, False, False, "relu2"
+        ),
         "swiglu": lambda: ops["gated_activation_op"](g, u, None, None, 1.0, 1.0, "silu"),
         "geglu, fp32 LoRA terms": lambda: ops["gated_activation_op"](g, u, lora, lora, 2.0, 2.0, "gelu_tanh"),
         "gated backward": lambda: ops["gated_activation_backward_op"](
@@ -264,12 +292,14 @@ def lce_with_triton_dweight(op, h, w, labels) -> None:
 def main() -> None:
     JITFunction.run = compile_instead_of_launch
     T.num_programs_for = lambda t, programs_per_sm=4: programs_per_sm * H200_SMS
-    for module in (E, G, L, LS, R, P, U):
+    for module in (BA, E, G, L, LN, LS, R, P, U):
         if hasattr(module, "num_programs_for"):
             module.num_programs_for = T.num_programs_for
     getitem = torch.Tensor.__getitem__
     torch.Tensor.__getitem__ = lambda t, index: _aten_getitem(t, index) if t.is_cuda else getitem(t, index)
-    ops = {n: v._init_fn for m in (E, G, L, LS, R, P, U) for n, v in vars(m).items() if isinstance(v, CustomOpDef)}
+    ops = {
+        n: v._init_fn for m in (BA, E, G, L, LN, LS, R, P, U) for n, v in vars(m).items() if isinstance(v, CustomOpDef)
+    }
     with FakeTensorMode(allow_non_fake_inputs=True):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for name, run in scenarios_for(dt, ops).items():

@@ -52,5 +52,6 @@ def test_every_kernel_compiles_for_an_h200_without_one():
     # as the JIT-launched kernel does: fp64 arithmetic made the RMSNorm backward 1.7x slower on the H200
     assert fp64 and all(v == "ok" for v in fp64.values()), json.dumps(fp64, indent=1)
     assert {"rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "upcast_linear_dx_kernel", "lce_chunk_kernel"} <= set(fp64)
+    assert "layer_norm_fwd_kernel" in fp64
     for first in (True, False):  # the weight-gradient kernel's first chunk (write) and later ones (read and add)
         assert any(k.startswith("lce_dweight_kernel") and f"'FIRST': {first}" in k for k in compiled), first
