@@ -4,7 +4,7 @@
     out = act(h)                    (rounded once, to ``out_dtype``)
 
 with ``act`` one of the gated op's activations (``fuser.kernels.gated_activation``: ``gelu`` exact, ``gelu_tanh``
-(also GPT-2's ``gelu_new`` formula), ``gelu_quick`` (``x·σ(1.702x)``), ``relu``, ``relu2`` (squared ReLU),
+(also GPT-2's ``gelu_new`` formula), ``gelu_quick`` (``x·σ(1.702·x)``), ``relu``, ``relu2`` (squared ReLU),
 ``silu``), evaluated by the same Triton function. Backward, recomputing act from the saved pre-activation:
 
     dx    = dout · act'(x + bias)
