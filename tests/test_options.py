@@ -165,7 +165,8 @@ def test_runtime_check_by_name(check, gen, rewritten):
     from fuser.patterns.causal_attention import causal_or_masked_sdpa
 
     keep = torch.ones(2, 8, dtype=torch.bool)
-    backend = compile_by_name(padded_attention, {"causal_attention": {"runtime_check": check}}, *qkv(gen, 4), keep)
+    options = {"causal_attention": {"runtime_check": check, "block_sparse_masks": False}}
+    backend = compile_by_name(padded_attention, options, *qkv(gen, 4), keep)
     assert backend.counts == ({"causal_attention": 1} if check else {})
     assert len(calls(rewritten, causal_or_masked_sdpa)) == int(check)
     if not check:

@@ -92,7 +92,7 @@ class CausalAttentionConfig:
     """A mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's window kernels
     (``fuser/kernels/window_attention.py``, fp16/bf16 on a GPU), which skip the blocks outside it."""
 
-    block_sparse_masks: bool = False
+    block_sparse_masks: bool = True
     """A bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``) runs on
     FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
     on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
@@ -103,7 +103,7 @@ class CausalAttentionConfig:
         check_fields(self, "causal_attention")
 
 
-# the widest head block_sparse_sdpa gives FlexAttention (wider heads need more shared memory than its kernels get)
+# the widest head block_sparse_sdpa gives FlexAttention: correct at 256 too, but its speed there is not measured
 MAX_FLEX_HEAD_DIM = 128
 # the largest sequence whose mask is evaluated at compile time (a T×T bool on the CPU: 4 GiB at 65536)
 MAX_EVALUATED_LENGTH = 65536
