@@ -76,6 +76,12 @@ class FuserConfig:
     embedding_grads: an embedding's weight gradient, with a tied lm_head's gradient added, is written by one op in
                      one pass over ``[V, H]`` (default ``True``; ``fuser/patterns/embedding_grads.py``) instead of
                      Inductor's zero-filled fp32 buffer, scatter and cast.
+    zero3_leaf_layers: where DeepSpeed is installed, ``fuser.optimize_`` and ``fuser.optimize`` mark the model's
+                     decoder layers (the entries of its outermost ``nn.ModuleList`` of one repeated class) as DeepSpeed
+                     ZeRO-3 leaf modules (default ``True``), unless one is marked either way already: ZeRO-3 then
+                     gathers a layer's parameters together, with one hook, and the layer reaches fuser as one graph
+                     (otherwise each submodule's hook breaks the graph and no block in the layer fuses). Without
+                     ZeRO-3 nothing reads the flag. ``fuser/zero3.py``.
     cuda_graphs:     Inductor records the compiled forward and backward graphs as CUDA graphs and replays them
                      (its ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on; default ``False``). A step
                      then costs the host microseconds instead of a launch per kernel, for models whose step is
@@ -128,6 +134,7 @@ class FuserConfig:
     inline_ops: bool = True
     embedding_grads: bool = True
     cuda_graphs: bool = False
+    zero3_leaf_layers: bool = True
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -148,6 +155,7 @@ class FuserConfig:
             "inline_ops",
             "embedding_grads",
             "cuda_graphs",
+            "zero3_leaf_layers",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fuser import _compat
+from fuser import _compat, zero3
 from fuser.config import FuserConfig
 from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
@@ -387,6 +387,8 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
     """
     _check_module(model, "optimize")
     chosen = backend(config)
+    if chosen.config.zero3_leaf_layers:
+        zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
     _compat.within_each_call(compiled, chosen.calls_scope)
@@ -411,6 +413,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
             "original module (`compiled._orig_mod`) instead"
         )
     chosen = backend(config)
+    if chosen.config.zero3_leaf_layers:
+        zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
     _compat.within_each_call(model, chosen.calls_scope)
