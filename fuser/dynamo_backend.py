@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import sys
 import time
 import warnings
 import weakref
@@ -21,6 +22,7 @@ from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.patterns import PATTERNS
+from fuser.patterns.linear_cross_entropy import LOGITS_FROM_BEFORE_THE_GRAPH
 from fuser.report import UNKNOWN_REASON, GraphBreak, Report, graph_break
 from fuser.tracing import tracing_context
 
@@ -213,6 +215,11 @@ class FuserBackend:
             if new_gm is not gm:
                 _empty_for_dropped_outputs(gm, new_gm)
         recompiling = _compat.dynamo_recompiling()
+        if result is not None and any(
+            near.pattern == "linear_cross_entropy" and near.reason.startswith(LOGITS_FROM_BEFORE_THE_GRAPH)
+            for near in result.near_misses
+        ):
+            self._warn_loss_after_a_break()
         if result is not None:
             result.recompile = recompiling
             result.recompile_reason = _compat.dynamo_recompile_reason() if recompiling else None
@@ -297,6 +304,22 @@ class FuserBackend:
             )
         self.gave_up.setdefault(one.cause, what)
         self._warn_once(f"dynamo_gave_up:{one.cause}", f"fuser: {what}.")
+
+    def _warn_loss_after_a_break(self) -> None:
+        """Once per backend: a loss whose logits come from the graph before (a graph break between the lm_head and
+        the loss) is computed as written, with the whole logits in memory."""
+        zero3 = (
+            " Under DeepSpeed ZeRO-3 the break is DeepSpeed's: the parameter-gathering hooks it registers on the "
+            "lm_head module end the graph before the lm_head and again after it."
+            if "deepspeed" in sys.modules
+            else ""
+        )
+        self._warn_once(
+            "loss_after_a_break",
+            "fuser: a graph break separates this model's lm_head from its cross-entropy loss, so they are not fused "
+            "(linear_cross_entropy) and the full logits are computed and kept for the backward." + zero3 + " "
+            "fuser.report(model).breaks says where each graph ended, and why.",
+        )
 
     def _warn_ddp_buckets(self) -> None:
         """Once per backend: DDP hands fuser its graph in pieces, one per gradient bucket, and a block split
