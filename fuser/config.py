@@ -82,6 +82,13 @@ class FuserConfig:
                      gathers a layer's parameters together, with one hook, and the layer reaches fuser as one graph
                      (otherwise each submodule's hook breaks the graph and no block in the layer fuses). Without
                      ZeRO-3 nothing reads the flag. ``fuser/zero3.py``.
+    zero3_lm_head:   under DeepSpeed ZeRO-3, the lm_head's weight is gathered by the hook of the module that calls it
+                     (the causal LM, whose forward computes the loss) and DeepSpeed's hooks on the lm_head module are
+                     removed, at the first call of a model from ``optimize_``/``optimize`` (default ``True``): those
+                     hooks end the graph before and after the lm_head, so the loss's logits would be an input of its
+                     graph and the loss would not fuse (``linear_cross_entropy``), its whole logits kept. The cost:
+                     one ``[vocab, hidden]`` weight stays gathered for the step's forward and backward (DeepSpeed keeps
+                     such an external parameter until the step ends). ``fuser/zero3.py``.
     cuda_graphs:     Inductor records the compiled forward and backward graphs as CUDA graphs and replays them
                      (its ``triton.cudagraphs``, what ``mode="reduce-overhead"`` turns on; default ``False``). A step
                      then costs the host microseconds instead of a launch per kernel, for models whose step is
@@ -135,6 +142,7 @@ class FuserConfig:
     embedding_grads: bool = True
     cuda_graphs: bool = False
     zero3_leaf_layers: bool = True
+    zero3_lm_head: bool = True
     linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
     causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
     gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
@@ -156,6 +164,7 @@ class FuserConfig:
             "embedding_grads",
             "cuda_graphs",
             "zero3_leaf_layers",
+            "zero3_lm_head",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -394,6 +394,20 @@ def _check_module(model: Any, api: str) -> None:
         raise TypeError(f"fuser: {api} takes a torch.nn.Module, got {type(model).__name__}")
 
 
+def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], contextlib.AbstractContextManager]:
+    """What each call of ``model`` (compiled by :func:`optimize` or :func:`optimize_`) runs inside: with
+    ``FuserConfig.zero3_lm_head``, first the lm_head's DeepSpeed ZeRO-3 hooks handed to its caller (once: DeepSpeed
+    adds them in ``deepspeed.initialize``, after ``optimize_``), then :meth:`FuserBackend.calls_scope`."""
+    target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
+
+    def scope() -> contextlib.AbstractContextManager:
+        if chosen.config.zero3_lm_head and (one := target()) is not None:
+            zero3.gather_lm_head_with_its_caller(one)
+        return chosen.calls_scope()
+
+    return scope
+
+
 def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
     """``torch.compile(model, backend=fuser.backend(config))``. ``model`` itself is not modified.
 
@@ -414,7 +428,7 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
         zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
-    _compat.within_each_call(compiled, chosen.calls_scope)
+    _compat.within_each_call(compiled, _calls_scope(model, chosen))
     return compiled
 
 
@@ -440,7 +454,7 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
         zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
-    _compat.within_each_call(model, chosen.calls_scope)
+    _compat.within_each_call(model, _calls_scope(model, chosen))
     return model
 
 

@@ -20,6 +20,7 @@ fuser never imports DeepSpeed; without ZeRO-3 nothing reads it.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import sys
 from functools import cache
@@ -62,3 +63,75 @@ def mark_layers_as_zero3_leaves(model: torch.nn.Module) -> int:
         setattr(layer, Z3_LEAF_ATTRIBUTE, True)
     log.debug("fuser: %d %s layers marked as DeepSpeed ZeRO-3 leaf modules", len(layers), type(layers[0]).__name__)
     return len(layers)
+
+
+# DeepSpeed's module hooks are closures defined in this module (its ZeRO-3 parameter coordination)
+_DEEPSPEED_HOOKS_MODULE = "deepspeed.runtime.zero.parameter_offload"
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The lm_head: transformers' ``get_output_embeddings()`` of the model or of the model peft wraps."""
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        get = getattr(candidate, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if isinstance(head, torch.nn.Module):
+            return head
+    return None
+
+
+def _is_deepspeed_hook(hook: object, depth: int = 0) -> bool:
+    """Whether ``hook`` is one of DeepSpeed's ZeRO-3 module hooks, or wraps one (``torch.compiler.disable`` wraps
+    with ``functools.wraps``; DeepSpeed's NVTX decorator holds the function in its closure)."""
+    hook = inspect.unwrap(hook) if callable(hook) else hook
+    if getattr(hook, "__module__", "") == _DEEPSPEED_HOOKS_MODULE:
+        return True
+    cells = getattr(hook, "__closure__", None) or ()
+    return depth < 2 and any(_is_deepspeed_hook(cell.cell_contents, depth + 1) for cell in cells if callable_cell(cell))
+
+
+def callable_cell(cell: object) -> bool:
+    try:
+        return callable(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
+def _deepspeed_hook_keys(hooks: dict) -> list[int]:
+    return [key for key, hook in hooks.items() if _is_deepspeed_hook(hook)]
+
+
+def gather_lm_head_with_its_caller(model: torch.nn.Module) -> bool:
+    """Under DeepSpeed ZeRO-3, let the lm_head and the loss be one graph: the lm_head's weight becomes an external
+    parameter (``deepspeed.zero.register_external_parameter``) of the module that calls the lm_head (the causal LM,
+    whose forward computes the loss too), which then gathers it with its own hook, and the hooks DeepSpeed put on the
+    lm_head module itself are removed: they ended the graph before the lm_head and after it, so the loss's logits
+    were an input of its graph and the loss could not fuse. The weight's gradient is reduced into its partition as
+    any parameter's (DeepSpeed's gradient hooks are on the parameter, not the module). The cost: DeepSpeed keeps an
+    external parameter gathered until the end of the step, so one ``[vocab, hidden]`` weight is whole for the
+    forward and backward instead of around the lm_head's two uses. Returns whether it changed anything (once per
+    model: without DeepSpeed's hooks on the lm_head, nothing)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    head = _output_embeddings(model)
+    if head is None or not _deepspeed_hook_keys(head._forward_pre_hooks):
+        return False
+    weight = getattr(head, "weight", None)
+    caller = next((m for m in model.modules() if any(child is head for child in m.children())), None)
+    if caller is None or not hasattr(weight, "ds_id") or not hasattr(caller, "ds_id"):
+        return False
+    import deepspeed
+
+    deepspeed.zero.register_external_parameter(caller, weight)
+    if getattr(head, "bias", None) is not None:
+        deepspeed.zero.register_external_parameter(caller, head.bias)
+    for hooks in (head._forward_pre_hooks, head._forward_hooks):
+        for key in _deepspeed_hook_keys(hooks):
+            del hooks[key]
+            for extra in (
+                "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+            ):
+                getattr(head, extra, {}).pop(key, None)
+    log.debug("fuser: DeepSpeed ZeRO-3 gathers the lm_head's weight in %s's hook", type(caller).__name__)
+    return True
