@@ -310,7 +310,10 @@ class FuserBackend:
         the loss) is computed as written, with the whole logits in memory."""
         zero3 = (
             " Under DeepSpeed ZeRO-3 the break is DeepSpeed's: the parameter-gathering hooks it registers on the "
-            "lm_head module end the graph before the lm_head and again after it."
+            "lm_head module end the graph before the lm_head and again after it. fuser.optimize_(model), called "
+            "before deepspeed.initialize (the Trainer's and accelerate's too), hands the lm_head's weight to its "
+            "caller's hook instead (FuserConfig.zero3_lm_head); engine.compile(backend=fuser.backend()) cannot, as it "
+            "compiles the model again without fuser's per-call hook."
             if "deepspeed" in sys.modules
             else ""
         )
