@@ -10,7 +10,9 @@ of the process (DeepSpeed's ``memory_efficient_linear``), and a ZeRO-2 run shoul
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -67,6 +69,10 @@ def deepspeed_config(stage: int) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
         zero["offload_optimizer"] = {"device": "cpu"}
+        # every parameter partitioned and released as soon as DeepSpeed may: by default it keeps parameters under
+        # 100k elements whole (all of a tiny model's) and keeps those it will reuse soon gathered
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+        zero["stage3_max_live_parameters"] = 0
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -79,13 +85,32 @@ def deepspeed_config(stage: int) -> dict:
 
 def whole_parameters(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
     """Every parameter, whole: under ZeRO-3 gathered from the partitions (collective: every rank calls it)."""
-    import contextlib
-
     import deepspeed
 
     gathered = deepspeed.zero.GatheredParameters(list(model.parameters())) if stage == 3 else contextlib.nullcontext()
     with gathered:
         return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def peak_gathered(model: torch.nn.Module) -> Iterator[list[int]]:
+    """The most parameter elements whole at once on this rank (a partitioned parameter holds none), read after each
+    module's ZeRO-3 gather, into the list yielded."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    peak = [0]
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+    def fetch_and_count(self, *args, **kwargs):
+        out = fetch(self, *args, **kwargs)
+        peak[0] = max(peak[0], sum(p.data.numel() for p in model.parameters()))
+        return out
+
+    PartitionedParameterCoordinator.fetch_sub_module = fetch_and_count
+    try:
+        yield peak
+    finally:
+        PartitionedParameterCoordinator.fetch_sub_module = fetch
 
 
 def train(scenario: str, with_fuser: bool, out_dir: str) -> dict:
@@ -120,7 +145,8 @@ def train(scenario: str, with_fuser: bool, out_dir: str) -> dict:
     )
     callbacks = [fuser.FuserCallback()] if with_fuser else []
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
-    trainer.train()
+    with peak_gathered(model) as peak:
+        trainer.train()
     report = fuser.report(model) if with_fuser else None
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -129,6 +155,13 @@ def train(scenario: str, with_fuser: bool, out_dir: str) -> dict:
         "graphs": report.graphs if report else 0,
         "graph_breaks": len(report.breaks) if report else 0,
         "params": whole_parameters(trainer.model, stage),
+        "peak_gathered": peak[0],
+        "numel": {
+            "model": sum(initial[name].numel() for name in initial),
+            "layer": sum(p.numel() for name, p in initial.items() if name.startswith("model.layers.0.")),
+            "embedding": initial["model.embed_tokens.weight"].numel(),
+            "lm_head": 0 if "lm_head.weight" not in initial else initial["lm_head.weight"].numel(),
+        },
         "initial": initial,
     }
 

@@ -90,3 +90,14 @@ def test_zero3_fuses_what_zero2_fuses_and_trains_like_eager(results, arch):
     assert set(zero3["counts"]) == set(zero2["counts"]) - NOT_UNDER_ZERO3, (zero3["counts"], zero2["counts"])
     assert zero3["counts"]["linear_cross_entropy"] == 1
     assert_trains_like_eager(results[f"{arch}_zero3"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_zero3_gathers_one_layer_and_the_lm_head_at_most(results, arch):
+    """ZeRO-3's saving survives: with fuser a decoder layer is gathered whole (a leaf module) and the lm_head's
+    weight stays gathered through the step (an external parameter of the causal LM), never the whole model."""
+    eager, fused = results[f"{arch}_zero3"]["eager"], results[f"{arch}_zero3"]["fuser"]
+    numel = fused["numel"]
+    head = numel["lm_head"] or numel["embedding"]  # Qwen3's lm_head is the embedding
+    assert 0 < eager["peak_gathered"] <= fused["peak_gathered"] <= head + max(numel["layer"], numel["embedding"])
+    assert fused["peak_gathered"] < numel["model"], (fused["peak_gathered"], numel)
