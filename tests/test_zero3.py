@@ -21,6 +21,8 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(input, weight, bias=None):
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
         output = input.matmul(weight.t())
         if bias is not None:
             output += bias
@@ -84,6 +86,23 @@ def test_deepspeed_zero3_linear_fuses_as_f_linear_does(monkeypatch, plain):
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 
     assert _explain_with_linear(monkeypatch, LinearFunctionForZeroStage3).counts == plain
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 8), (10, 8)], ids=["3-D, bias added", "2-D, addmm"])
+def test_a_function_linear_with_bias_reads_as_linear(shape):
+    from fuser.engine.canonical import canonical
+
+    lin = torch.nn.Linear(8, 4)
+    read = []
+
+    def capture(gm, example_inputs):
+        read.extend(c for n in gm.graph.nodes if (c := canonical(n)) is not None and c.op == "linear")
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(shape, requires_grad=True)
+    torch.compile(lambda t: LinearFunction.apply(t, lin.weight, lin.bias), backend=capture)(x)
+    assert len(read) == 1 and all(a is not None for a in read[0].args)  # input, weight and bias bound
 
 
 def test_a_trained_step_through_the_function_equals_eager(monkeypatch):
