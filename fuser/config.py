@@ -124,6 +124,21 @@ class FuserConfig:
     ``.grad``, so fuser copies such a ``.grad`` out of the graphs' memory before the next call replays over it
     (``fuser/engine/graph_pool_grads.py``); a step without accumulation copies nothing."""
 
+    zero3_leaf_layers: bool = True
+    """Where DeepSpeed is installed, ``fuser.optimize_`` and ``fuser.optimize`` mark the model's decoder layers (the
+    entries of its outermost ``nn.ModuleList`` of one repeated class) as DeepSpeed ZeRO-3 leaf modules, unless one is
+    marked either way already: ZeRO-3 then gathers a layer's parameters together, with one hook, and the layer
+    reaches fuser as one graph (otherwise each submodule's hook breaks the graph and no block in the layer fuses).
+    Without ZeRO-3 nothing reads the flag (``fuser/zero3.py``)."""
+
+    zero3_lm_head: bool = True
+    """Under DeepSpeed ZeRO-3, the lm_head's weight is gathered by the hook of the module that calls it (the causal
+    LM, whose forward computes the loss) and DeepSpeed's hooks on the lm_head module are removed, at the first call
+    of a model from ``optimize_``/``optimize``: those hooks end the graph before and after the lm_head, so the loss's
+    logits would be an input of its graph and the loss would not fuse (``linear_cross_entropy``), its whole logits
+    kept. The cost: one ``[vocab, hidden]`` weight stays gathered for the step's forward and backward (DeepSpeed
+    keeps such an external parameter until the step ends) (``fuser/zero3.py``)."""
+
     padding_free: bool = False
     """A call with padding in its ``attention_mask`` runs as one packed row of its real tokens: ``input_ids``
     ``[B, T]`` become ``[1, N]``, with the padded call's ``position_ids`` gathered alongside (restarting at each
@@ -178,6 +193,8 @@ class FuserConfig:
             "inline_ops",
             "embedding_grads",
             "cuda_graphs",
+            "zero3_leaf_layers",
+            "zero3_lm_head",
             "padding_free",
         ):
             value = getattr(self, name)

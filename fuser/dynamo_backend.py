@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import sys
 import time
 import warnings
 import weakref
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from fuser import _compat, padding_free
+from fuser import _compat, padding_free, zero3
 from fuser.config import FuserConfig
 from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
 from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
+from fuser.patterns.linear_cross_entropy import LOGITS_FROM_BEFORE_THE_GRAPH
 from fuser.report import UNKNOWN_REASON, GraphBreak, Report, graph_break
 from fuser.tracing import tracing_context
 
@@ -225,6 +227,11 @@ class FuserBackend:
             if new_gm is not gm:
                 _empty_for_dropped_outputs(gm, new_gm)
         recompiling = _compat.dynamo_recompiling()
+        if result is not None and any(
+            near.pattern == "linear_cross_entropy" and near.reason.startswith(LOGITS_FROM_BEFORE_THE_GRAPH)
+            for near in result.near_misses
+        ):
+            self._warn_loss_after_a_break()
         if result is not None:
             result.recompile = recompiling
             result.recompile_reason = _compat.dynamo_recompile_reason() if recompiling else None
@@ -310,6 +317,25 @@ class FuserBackend:
         self.gave_up.setdefault(one.cause, what)
         self._warn_once(f"dynamo_gave_up:{one.cause}", f"fuser: {what}.")
 
+    def _warn_loss_after_a_break(self) -> None:
+        """Once per backend: a loss whose logits come from the graph before (a graph break between the lm_head and
+        the loss) is computed as written, with the whole logits in memory."""
+        zero3 = (
+            " Under DeepSpeed ZeRO-3 the break is DeepSpeed's: the parameter-gathering hooks it registers on the "
+            "lm_head module end the graph before the lm_head and again after it. fuser.optimize_(model), called "
+            "before deepspeed.initialize (the Trainer's and accelerate's too), hands the lm_head's weight to its "
+            "caller's hook instead (FuserConfig.zero3_lm_head); engine.compile(backend=fuser.backend()) cannot, as it "
+            "compiles the model again without fuser's per-call hook."
+            if "deepspeed" in sys.modules
+            else ""
+        )
+        self._warn_once(
+            "loss_after_a_break",
+            "fuser: a graph break separates this model's lm_head from its cross-entropy loss, so they are not fused "
+            "(linear_cross_entropy) and the full logits are computed and kept for the backward." + zero3 + " "
+            "fuser.report(model).breaks says where each graph ended, and why.",
+        )
+
     def _warn_ddp_buckets(self) -> None:
         """Once per backend: DDP hands fuser its graph in pieces, one per gradient bucket, and a block split
         between two pieces cannot be matched (and is not reported as declined: neither piece holds all of it)."""
@@ -391,6 +417,20 @@ def _check_module(model: Any, api: str) -> None:
         raise TypeError(f"fuser: {api} takes a torch.nn.Module, got {type(model).__name__}")
 
 
+def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], contextlib.AbstractContextManager]:
+    """What each call of ``model`` (compiled by :func:`optimize` or :func:`optimize_`) runs inside: with
+    ``FuserConfig.zero3_lm_head``, first the lm_head's DeepSpeed ZeRO-3 hooks handed to its caller (once: DeepSpeed
+    adds them in ``deepspeed.initialize``, after ``optimize_``), then :meth:`FuserBackend.calls_scope`."""
+    target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
+
+    def scope() -> contextlib.AbstractContextManager:
+        if chosen.config.zero3_lm_head and (one := target()) is not None:
+            zero3.gather_lm_head_with_its_caller(one)
+        return chosen.calls_scope()
+
+    return scope
+
+
 def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
     """``torch.compile(model, backend=fuser.backend(config))``. ``model`` itself is not modified.
 
@@ -407,9 +447,11 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
     """
     _check_module(model, "optimize")
     chosen = backend(config)
+    if chosen.config.zero3_leaf_layers:
+        zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
-    _compat.within_each_call(compiled, chosen.calls_scope)
+    _compat.within_each_call(compiled, _calls_scope(model, chosen))
     if chosen.config.padding_free:
         chosen.wrap_padding_free(compiled, model)
     return compiled
@@ -433,9 +475,11 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
             "original module (`compiled._orig_mod`) instead"
         )
     chosen = backend(config)
+    if chosen.config.zero3_leaf_layers:
+        zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
-    _compat.within_each_call(model, chosen.calls_scope)
+    _compat.within_each_call(model, _calls_scope(model, chosen))
     if chosen.config.padding_free:
         chosen.wrap_padding_free(model, model)
     return model

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from fuser._dtypes import FLOAT_DTYPES
+from fuser.engine.function_linear import function_linear, linear_result
 
 Node = torch.fx.Node
 
@@ -432,6 +433,8 @@ def canonical(node: Any) -> Canon | None:
             return _contiguous(node)
         op = _METHODS.get(node.target)
     elif node.op == "call_function":
+        if node.target is operator.getitem and (linear := function_linear(node)) is not None:
+            return Canon("linear", linear)  # a custom autograd.Function computing a linear (DeepSpeed ZeRO-3's)
         op = _FUNCTIONS.get(node.target)
     else:
         return None
@@ -507,8 +510,10 @@ def is_shape_query(node: Any) -> bool:
 
 
 def value_readers(node: Node) -> list[Node]:
-    """The users of ``node`` that read its values: every user but :func:`is_shape_query` ones."""
-    return [user for user in node.users if not is_shape_query(user)]
+    """The users of ``node`` that read its values: every user but :func:`is_shape_query` ones. A custom
+    autograd.Function that computes a linear (:mod:`fuser.engine.function_linear`) is read through its result, the
+    node :func:`canonical` reads as that ``linear``."""
+    return [linear_result(user) or user for user in node.users if not is_shape_query(user)]
 
 
 def is_noop_cast(node: Any) -> bool:

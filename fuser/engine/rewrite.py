@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from fuser.engine.canonical import canonical, is_shape_query, module_path, source_line
+from fuser.engine.function_linear import erase_dead_function_calls
 from fuser.engine.match import (
     OUTER_VALUE,
     Found,
@@ -428,5 +429,6 @@ def rewrite(
                     result.refined[pattern.name] = n
                     log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)
         for _, module in subgraph_modules(clone):
+            erase_dead_function_calls(module.graph)  # linear Functions whose result a fused op took over
             module.recompile()
     return clone, result

@@ -227,15 +227,19 @@ def _operand(node: Node, dtype: torch.dtype) -> Node | CastTo:
     return node if tensor_meta(node).dtype == dtype else CastTo(node, dtype)
 
 
+# how the decline of a loss over logits that are an input of its graph begins (the backend warns once about it)
+LOGITS_FROM_BEFORE_THE_GRAPH = "the logits are "
+
+
 def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
     if "logits_input" in b:
         raise Decline(
-            f"the logits are {describe_value(b['logits_input'])} of this graph, not computed in it: the lm_head ran "
-            "before this graph began, in the graph before a graph break (the report's graph breaks say where) or "
-            "outside the compiled code, and the loss fuses only in the lm_head's graph. A `logger.warning_once` "
-            "call (transformers' loss_function) breaks no graph under fuser.optimize, optimize_ and explain "
-            "(FuserConfig.ignore_logging); torch.compile(backend='fuser') cannot skip it"
+            f"{LOGITS_FROM_BEFORE_THE_GRAPH}{describe_value(b['logits_input'])} of this graph, not computed in it: "
+            "the lm_head ran before this graph began, in the graph before a graph break (the report's graph breaks "
+            "say where) or outside the compiled code, and the loss fuses only in the lm_head's graph. A "
+            "`logger.warning_once` call (transformers' loss_function) breaks no graph under fuser.optimize, "
+            "optimize_ and explain (FuserConfig.ignore_logging); torch.compile(backend='fuser') cannot skip it"
         )
     if "log_softmax_input" in b:
         log_probs = next(n for n in found.nodes if (c := canonical(n)) is not None and c.op == "log_softmax")

@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO-3: each decoder layer one ZeRO-3 leaf module, so that its blocks are in one graph.
+
+ZeRO-3 gathers a module's parameters in a forward pre-hook that DeepSpeed registers on every submodule and marks
+``torch.compiler.disable``: Dynamo breaks the graph at each of them, so a decoder layer comes to fuser in pieces
+(its norm, each projection, its gated activation apart) and none of its blocks can be matched. A *leaf* module
+(``deepspeed.utils.set_z3_leaf_modules``, DeepSpeed's own mechanism, made for MoE layers) has its parameters
+gathered at once by its own hook, and DeepSpeed registers no hooks inside it: the layer is then one graph.
+
+:func:`mark_layers_as_zero3_leaves` marks the layers so, chosen by structure, not by class name: the entries of the
+outermost ``nn.ModuleList`` whose entries are two or more modules of one class holding parameters (transformers'
+``model.layers``, GPT-2's ``h``, peft-wrapped or not). A layer's parameters are then gathered together while the
+layer runs, forward and backward, as DeepSpeed recommends for MoE layers; no more than one layer's.
+
+DeepSpeed reads the flag when ``deepspeed.initialize`` (the Trainer's, accelerate's) builds its ZeRO-3 hooks, so it
+must be set before: :func:`fuser.optimize_` sets it, where DeepSpeed is installed. The flag is the attribute
+``_z3_leaf`` that ``deepspeed.utils.set_z3_leaf_module`` sets (and nothing else does): it is set directly, so that
+fuser never imports DeepSpeed; without ZeRO-3 nothing reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import sys
+from functools import cache
+
+import torch
+
+log = logging.getLogger("fuser")
+
+# the attribute deepspeed.utils.set_z3_leaf_module(module, flag) sets, and deepspeed.utils.z3_leaf_module reads
+Z3_LEAF_ATTRIBUTE = "_z3_leaf"
+
+
+@cache
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported here (looked up, not imported)."""
+    return "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is not None
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The entries of the outermost ``nn.ModuleList`` (in module order) whose entries are two or more modules of one
+    class with parameters: a model's stack of decoder layers. Empty if the model has none."""
+    for one in model.modules():  # pre-order: an outer list comes before the lists inside its entries
+        if not isinstance(one, torch.nn.ModuleList):
+            continue
+        entries = list(one)
+        if len(entries) >= 2 and len({type(e) for e in entries}) == 1 and any(True for _ in entries[0].parameters()):
+            return entries
+    return []
+
+
+def mark_layers_as_zero3_leaves(model: torch.nn.Module) -> int:
+    """Mark :func:`repeated_layers` as DeepSpeed ZeRO-3 leaf modules, where DeepSpeed is installed and no layer is
+    marked either way already (the user's choice stands); returns how many it marked."""
+    if not deepspeed_installed():
+        return 0
+    layers = repeated_layers(model)
+    if not layers or any(hasattr(layer, Z3_LEAF_ATTRIBUTE) for layer in layers):
+        return 0
+    for layer in layers:
+        setattr(layer, Z3_LEAF_ATTRIBUTE, True)
+    log.debug("fuser: %d %s layers marked as DeepSpeed ZeRO-3 leaf modules", len(layers), type(layers[0]).__name__)
+    return len(layers)
+
+
+# DeepSpeed's module hooks are closures defined in this module (its ZeRO-3 parameter coordination)
+_DEEPSPEED_HOOKS_MODULE = "deepspeed.runtime.zero.parameter_offload"
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The lm_head: transformers' ``get_output_embeddings()`` of the model or of the model peft wraps."""
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        get = getattr(candidate, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if isinstance(head, torch.nn.Module):
+            return head
+    return None
+
+
+def _is_deepspeed_hook(hook: object, depth: int = 0) -> bool:
+    """Whether ``hook`` is one of DeepSpeed's ZeRO-3 module hooks, or wraps one (``torch.compiler.disable`` wraps
+    with ``functools.wraps``; DeepSpeed's NVTX decorator holds the function in its closure)."""
+    hook = inspect.unwrap(hook) if callable(hook) else hook
+    if getattr(hook, "__module__", "") == _DEEPSPEED_HOOKS_MODULE:
+        return True
+    cells = getattr(hook, "__closure__", None) or ()
+    return depth < 2 and any(_is_deepspeed_hook(cell.cell_contents, depth + 1) for cell in cells if callable_cell(cell))
+
+
+def callable_cell(cell: object) -> bool:
+    try:
+        return callable(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
+def _deepspeed_hook_keys(hooks: dict) -> list[int]:
+    return [key for key, hook in hooks.items() if _is_deepspeed_hook(hook)]
+
+
+def gather_lm_head_with_its_caller(model: torch.nn.Module) -> bool:
+    """Under DeepSpeed ZeRO-3, let the lm_head and the loss be one graph: the lm_head's weight becomes an external
+    parameter (``deepspeed.zero.register_external_parameter``) of the module that calls the lm_head (the causal LM,
+    whose forward computes the loss too), which then gathers it with its own hook, and the hooks DeepSpeed put on the
+    lm_head module itself are removed: they ended the graph before the lm_head and after it, so the loss's logits
+    were an input of its graph and the loss could not fuse. The weight's gradient is reduced into its partition as
+    any parameter's (DeepSpeed's gradient hooks are on the parameter, not the module). The cost: DeepSpeed keeps an
+    external parameter gathered until the end of the step, so one ``[vocab, hidden]`` weight is whole for the
+    forward and backward instead of around the lm_head's two uses. Returns whether it changed anything (once per
+    model: without DeepSpeed's hooks on the lm_head, nothing)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    head = _output_embeddings(model)
+    if head is None or not _deepspeed_hook_keys(head._forward_pre_hooks):
+        return False
+    weight = getattr(head, "weight", None)
+    caller = next((m for m in model.modules() if any(child is head for child in m.children())), None)
+    if caller is None or not hasattr(weight, "ds_id") or not hasattr(caller, "ds_id"):
+        return False
+    import deepspeed
+
+    deepspeed.zero.register_external_parameter(caller, weight)
+    if getattr(head, "bias", None) is not None:
+        deepspeed.zero.register_external_parameter(caller, head.bias)
+    for hooks in (head._forward_pre_hooks, head._forward_hooks):
+        for key in _deepspeed_hook_keys(hooks):
+            del hooks[key]
+            for extra in (
+                "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+            ):
+                getattr(head, extra, {}).pop(key, None)
+    log.debug("fuser: DeepSpeed ZeRO-3 gathers the lm_head's weight in %s's hook", type(caller).__name__)
+    return True
