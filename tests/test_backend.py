@@ -61,7 +61,7 @@ def test_config_rejects_unknown_names():
     with pytest.raises(ValueError, match="inner_compiler"):
         fuser.FuserConfig(inner_compiler="tvm")
     with pytest.raises(ValueError, match="unknown pattern"):
-        fuser.FuserConfig(patterns=("layer_norm",))
+        fuser.FuserConfig(patterns=("group_norm",))
     with pytest.raises(ValueError, match="unknown option"):
         fuser.FuserConfig.from_options({"stritc": True})
 

@@ -210,6 +210,8 @@ def test_near_miss_does_not_match(fn):
         # the part after the mean subtraction *is* an RMSNorm of the centred tensor: fusing it is correct
         assert report.counts.get("rms_norm", 0) <= 1
         _assert_compiled_equals_eager(fn)
+    elif fn is layer_norm:
+        assert report.counts == {"layer_norm": 1}, str(report)  # LayerNorm's own pattern, never an RMSNorm
     else:
         assert report.counts == {}, str(report)
 
