@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fuser
-from fuser.patterns.gated_mlp import GEGLU, SWIGLU
+from fuser.patterns.gated_mlp import GEGLU, REGLU, SWIGLU
 from tests.models.inductor_steps import XDIST_GROUP, inductor_step, isolated_compile
 from tests.models.tiny import (
     N_LAYERS,
@@ -152,9 +152,9 @@ def _failing_plan(graph):
 
 
 def _fail_every_plan(monkeypatch):
-    """The gated MLP's post-grad passes (swiglu's and geglu's, the same) with an analysis that raises."""
+    """The gated MLP's post-grad passes (swiglu's, geglu's and reglu's, the same) with an analysis that raises."""
     failing = tuple(dataclasses.replace(one, plan=_failing_plan) for one in SWIGLU.post_grad)
-    for pattern in (SWIGLU, GEGLU):
+    for pattern in (SWIGLU, GEGLU, REGLU):
         monkeypatch.setattr(pattern, "post_grad", failing)
 
 
