@@ -22,9 +22,7 @@ import torch
 
 from fuser.kernels import _triton as tt
 from fuser.kernels._triton import HAS_TRITON, tl, triton
-from fuser.kernels.gated_activation import ACTIVATIONS, _reference_activation_and_grad
-
-_ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
+from fuser.kernels.gated_activation import _ACTIVATION_CODE, ACTIVATIONS, _reference_activation_and_grad
 
 
 def _check(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
