@@ -431,6 +431,19 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
     return scope
 
 
+def _route_calls(compiled: torch.nn.Module, model: torch.nn.Module, chosen: FuserBackend) -> None:
+    """What :func:`optimize` and :func:`optimize_` add to ``model``'s compiled calls (``compiled``: the wrapper, or
+    ``model`` compiled in place): ``model`` recorded as compiled by ``chosen``, its decoder layers marked as ZeRO-3
+    leaves (``zero3_leaf_layers``), each call run inside :func:`_calls_scope`, and through ``padding_free``'s
+    packing where that is on."""
+    if chosen.config.zero3_leaf_layers:
+        zero3.mark_layers_as_zero3_leaves(model)
+    _MODEL_BACKENDS[model] = chosen
+    _compat.within_each_call(compiled, _calls_scope(model, chosen))
+    if chosen.config.padding_free:
+        chosen.wrap_padding_free(compiled, model)
+
+
 def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None = None) -> torch.nn.Module:
     """``torch.compile(model, backend=fuser.backend(config))``. ``model`` itself is not modified.
 
@@ -447,13 +460,8 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
     """
     _check_module(model, "optimize")
     chosen = backend(config)
-    if chosen.config.zero3_leaf_layers:
-        zero3.mark_layers_as_zero3_leaves(model)
-    _MODEL_BACKENDS[model] = chosen
     compiled = torch.compile(model, backend=chosen)
-    _compat.within_each_call(compiled, _calls_scope(model, chosen))
-    if chosen.config.padding_free:
-        chosen.wrap_padding_free(compiled, model)
+    _route_calls(compiled, model, chosen)
     return compiled
 
 
@@ -475,13 +483,8 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
             "original module (`compiled._orig_mod`) instead"
         )
     chosen = backend(config)
-    if chosen.config.zero3_leaf_layers:
-        zero3.mark_layers_as_zero3_leaves(model)
-    _MODEL_BACKENDS[model] = chosen
     model.compile(backend=chosen)
-    _compat.within_each_call(model, _calls_scope(model, chosen))
-    if chosen.config.padding_free:
-        chosen.wrap_padding_free(model, model)
+    _route_calls(model, model, chosen)
     return model
 
 
