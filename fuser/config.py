@@ -125,11 +125,12 @@ class FuserConfig:
     (``fuser/engine/graph_pool_grads.py``); a step without accumulation copies nothing."""
 
     zero3_leaf_layers: bool = True
-    """Where DeepSpeed is installed, ``fuser.optimize_`` and ``fuser.optimize`` mark the model's decoder layers (the
+    """Where DeepSpeed is installed, ``fuser.optimize_`` marks the model's decoder layers (the
     entries of its outermost ``nn.ModuleList`` of one repeated class) as DeepSpeed ZeRO-3 leaf modules, unless one is
     marked either way already: ZeRO-3 then gathers a layer's parameters together, with one hook, and the layer
     reaches fuser as one graph (otherwise each submodule's hook breaks the graph and no block in the layer fuses).
-    Without ZeRO-3 nothing reads the flag (``fuser/zero3.py``)."""
+    Without ZeRO-3 nothing reads the flag. ``fuser.optimize`` leaves the user's model unmarked and warns at its first
+    call under ZeRO-3 (``fuser/zero3.py``)."""
 
     zero3_lm_head: bool = True
     """Under DeepSpeed ZeRO-3, the lm_head's weight is gathered by the hook of the module that calls it (the causal

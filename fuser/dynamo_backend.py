@@ -420,12 +420,18 @@ def _check_module(model: Any, api: str) -> None:
 def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], contextlib.AbstractContextManager]:
     """What each call of ``model`` (compiled by :func:`optimize` or :func:`optimize_`) runs inside: with
     ``FuserConfig.zero3_lm_head``, first the lm_head's DeepSpeed ZeRO-3 hooks handed to its caller (once: DeepSpeed
-    adds them in ``deepspeed.initialize``, after ``optimize_``), then :meth:`FuserBackend.calls_scope`."""
+    adds them in ``deepspeed.initialize``, after ``optimize_``), and a warning where ZeRO-3 hooks the decoder layers'
+    submodules one by one (once); then :meth:`FuserBackend.calls_scope`."""
     target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
+    unchecked_layers = [True]
 
     def scope() -> contextlib.AbstractContextManager:
-        if chosen.config.zero3_lm_head and (one := target()) is not None:
-            zero3.gather_lm_head_with_its_caller(one)
+        one = target()
+        if one is not None and "deepspeed" in sys.modules:
+            if chosen.config.zero3_lm_head:
+                zero3.gather_lm_head_with_its_caller(one)
+            if unchecked_layers[0]:
+                unchecked_layers[0] = not zero3.warn_if_layers_are_not_leaves(one)
         return chosen.calls_scope()
 
     return scope
@@ -434,9 +440,9 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
 def _route_calls(compiled: torch.nn.Module, model: torch.nn.Module, chosen: FuserBackend) -> None:
     """What :func:`optimize` and :func:`optimize_` add to ``model``'s compiled calls (``compiled``: the wrapper, or
     ``model`` compiled in place): ``model`` recorded as compiled by ``chosen``, its decoder layers marked as ZeRO-3
-    leaves (``zero3_leaf_layers``), each call run inside :func:`_calls_scope`, and through ``padding_free``'s
-    packing where that is on."""
-    if chosen.config.zero3_leaf_layers:
+    leaves (``zero3_leaf_layers``; in place only: :func:`optimize` does not modify the model), each call run inside
+    :func:`_calls_scope`, and through ``padding_free``'s packing where that is on."""
+    if chosen.config.zero3_leaf_layers and compiled is model:  # optimize leaves the user's model as it is
         zero3.mark_layers_as_zero3_leaves(model)
     _MODEL_BACKENDS[model] = chosen
     _compat.within_each_call(compiled, _calls_scope(model, chosen))

@@ -12,7 +12,8 @@ outermost ``nn.ModuleList`` whose entries are two or more modules of one class h
 layer runs, forward and backward, as DeepSpeed recommends for MoE layers; no more than one layer's.
 
 DeepSpeed reads the flag when ``deepspeed.initialize`` (the Trainer's, accelerate's) builds its ZeRO-3 hooks, so it
-must be set before: :func:`fuser.optimize_` sets it, where DeepSpeed is installed. The flag is the attribute
+must be set before: :func:`fuser.optimize_` sets it, where DeepSpeed is installed (:func:`fuser.optimize`, which
+leaves the user's model as it is, warns at the first call under ZeRO-3 instead). The flag is the attribute
 ``_z3_leaf`` that ``deepspeed.utils.set_z3_leaf_module`` sets (and nothing else does): it is set directly, so that
 fuser never imports DeepSpeed; without ZeRO-3 nothing reads it.
 """
@@ -23,6 +24,7 @@ import importlib.util
 import inspect
 import logging
 import sys
+import warnings
 from functools import cache
 
 import torch
@@ -63,6 +65,25 @@ def mark_layers_as_zero3_leaves(model: torch.nn.Module) -> int:
         setattr(layer, Z3_LEAF_ATTRIBUTE, True)
     log.debug("fuser: %d %s layers marked as DeepSpeed ZeRO-3 leaf modules", len(layers), type(layers[0]).__name__)
     return len(layers)
+
+
+def warn_if_layers_are_not_leaves(model: torch.nn.Module) -> bool:
+    """Under DeepSpeed ZeRO-3 (its hooks on the model's :func:`repeated_layers`), warn once where the layers are not
+    leaf modules: each submodule's hook then breaks the graph, and no block inside a layer can fuse. Returns whether
+    the check could be made (DeepSpeed's hooks are in place), so that the caller stops asking."""
+    layers = repeated_layers(model)
+    if not layers or not _deepspeed_hook_keys(layers[0]._forward_pre_hooks):
+        return False
+    if not getattr(layers[0], Z3_LEAF_ATTRIBUTE, False):
+        warnings.warn(
+            f"fuser: DeepSpeed ZeRO-3 gathers the parameters of each submodule of the {type(layers[0]).__name__} "
+            "layers with its own hook, which breaks the graph at every one, so no block inside a layer fuses. "
+            "Call fuser.optimize_(model) before deepspeed.initialize (the Trainer's) instead of fuser.optimize: "
+            "it marks the layers as ZeRO-3 leaf modules (FuserConfig.zero3_leaf_layers); or mark them yourself "
+            "with deepspeed.utils.set_z3_leaf_modules.",
+            stacklevel=4,
+        )
+    return True
 
 
 # DeepSpeed's module hooks are closures defined in this module (its ZeRO-3 parameter coordination)

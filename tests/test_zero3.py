@@ -5,6 +5,10 @@ two-process Trainer runs are ``tests/integrations/test_deepspeed.py``."""
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
+
 import pytest
 import torch
 
@@ -145,3 +149,24 @@ def test_without_deepspeed_nothing_is_marked(monkeypatch):
     monkeypatch.setattr(zero3, "deepspeed_installed", lambda: False)
     model = fuser.optimize_(tiny_llama())
     assert not any(hasattr(layer, zero3.Z3_LEAF_ATTRIBUTE) for layer in model.model.layers)
+
+
+def test_optimize_leaves_the_users_layers_unmarked_and_warns_once_under_zero3(monkeypatch):
+    monkeypatch.setattr(zero3, "deepspeed_installed", lambda: True)
+    model = tiny_llama()
+    compiled = fuser.optimize(model, fuser.FuserConfig(inner_compiler="aot_eager"))
+    assert not any(hasattr(m, zero3.Z3_LEAF_ATTRIBUTE) for m in model.modules())
+
+    def hook(module, args):  # stands for one of DeepSpeed's ZeRO-3 pre-forward hooks
+        return None
+
+    hook.__module__ = zero3._DEEPSPEED_HOOKS_MODULE
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(hook)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.warns(UserWarning, match="optimize_.*leaf modules"):
+        compiled(input_ids=ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(input_ids=ids)  # told once
