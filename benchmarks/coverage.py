@@ -33,7 +33,7 @@ difference over the norm of fp64's, as tests/models do; over ``GRAD_FLOOR`` of t
 gradient's own norm is smaller), or of fp64's, or no further from fp64's than eager fp32's: ``equal`` /
 ``not equal`` / the error.
 
-    python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_2026-12-01.md          # every type
+    python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_<date>.md          # every type
     python benchmarks/coverage.py --only llama,qwen3,gemma2 --out /tmp/coverage.md --train-check
     python benchmarks/coverage.py --worker llama          # one type, its JSON record on stdout (what the run calls)
 

@@ -63,7 +63,7 @@ def test_no_evidence_in_fuser_comments_docstrings_or_messages():
     [
         "# took 0.552 to 0.453 ms on the H200",
         '"""3–5x faster (issue 16)"""',
-        "# see benchmarks/results/rms_norm_h200_2026-11-30.md",
+        "# see benchmarks/results/tune_rms_norm_h200_2026-11-30.md",
         "# 13,945 → 15,356 tokens/s",
         "# 0.4 % slower, peak 30.3 GiB",
         "# PyTorch #169545",
