@@ -22,7 +22,7 @@ RULES = {
     "a GPU name": r"\b(?:[HAB]100|H200|B200|A10G?|V100|L40S?|RTX ?\d{4}|MI[23]\d0X?)\b",
     "a date": r"\b20\d\d-\d\d-\d\d\b",
     "an issue number": r"\b[Ii]ssues? \d+|(?<![\w&])#\d+\b",
-    "a results file": r"benchmarks/results|\bLOG\.md\b|_[hab][12]00_|_cpu_20\d\d",
+    "a results file": r"benchmarks/results|\bHISTORY\.md\b|_[hab][12]00_|_cpu_20\d\d",
     "a throughput": r"\btok(?:ens)?/s\b|\b[TGM]B/s\b",
     "a measured time": r"\d(?:\.\d+)?\s?(?:ms|µs|us|ns)\b",
     "a speed-up ratio": r"\d(?:\.\d+)?[x×](?![\w.])",
