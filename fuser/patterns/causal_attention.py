@@ -272,7 +272,8 @@ def _block_sparse(found: Found) -> Replacement:
     if q.dim() != 4 or mask.dim() not in (2, 4) or (mask.dim() == 4 and mask.shape[1] != 1):
         raise Decline(f"{what} of shape {tuple(mask.shape)} for a query of shape {tuple(q.shape)}")
     if q.shape[-1] > MAX_FLEX_HEAD_DIM:
-        raise Decline(f"{what} with heads of {q.shape[-1]} (FlexAttention's kernels take up to {MAX_FLEX_HEAD_DIM})")
+        widest = MAX_FLEX_HEAD_DIM
+        raise Decline(f"{what} with heads of {q.shape[-1]}: fuser gives FlexAttention heads of at most {widest}")
     if mask.dim() == 4 and not (statically_equal(mask.shape[0], 1) or statically_equal(mask.shape[0], q.shape[0])):
         raise Decline(f"{what} of batch {mask.shape[0]} for a query of batch {q.shape[0]}")
     args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
