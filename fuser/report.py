@@ -156,7 +156,7 @@ class Report:
         if hidden:
             lines.append(
                 f"not listed: {hidden} decline(s) of patterns that do not apply to this model (what they fuse is "
-                "not in it, or not in these dtypes); verbose=True lists them"
+                "not in it, or not in this dtype or setting); verbose=True lists them"
             )
         if self.breaks:
             lines.append("graph breaks (each ends a captured graph; a block split by one is not fused):")
