@@ -494,16 +494,21 @@ def optimize_(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | Non
     return model
 
 
-def report(model: torch.nn.Module | None = None) -> Report:
+def report(model: torch.nn.Module | None = None, verbose: bool = False) -> Report:
     """What fuser fused so far in the graphs it compiled: for ``model`` (given to :func:`optimize` or
     :func:`optimize_`, or the object :func:`optimize` returned), else summed over every fuser backend in this
-    process. Nothing is compiled or run; counts grow as graphs compile (the first training step compiles them)."""
+    process. Nothing is compiled or run; counts grow as graphs compile (the first training step compiles them).
+
+    ``str()`` of it lists the declines that matter, as :func:`fuser.explain`'s does; ``verbose=True`` also lists
+    those of patterns that could not apply to the model (:attr:`Report.verbose`)."""
     if model is not None:
         target = getattr(model, "_orig_mod", model)
         if target not in _MODEL_BACKENDS:
             raise ValueError("fuser: report(model) got a model that was not given to fuser.optimize or optimize_")
-        return _MODEL_BACKENDS[target].report()
-    total = Report()
+        out = _MODEL_BACKENDS[target].report()  # a new Report: setting its rendering changes no other
+        out.verbose = verbose
+        return out
+    total = Report(verbose=verbose)
     for one in _BACKENDS.values():
         part = one.report()
         total.graphs += part.graphs

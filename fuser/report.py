@@ -67,7 +67,9 @@ class Report:
                    :data:`UNKNOWN_REASON` where torch gave none.
     matches:       every accepted match, with its module path (``.module``) and source line (``.where``).
     near_misses:   structural matches that were declined, and anchor ops no variant covered, each with its
-                   module path, source line and the reason in words (``.module``, ``.where``, ``.reason``).
+                   module path, source line and the reason in words (``.module``, ``.where``, ``.reason``), and
+                   whether its pattern could apply to the model at all (``.applicable``). All of them, whatever
+                   ``verbose`` is.
     breaks:        each graph break: where the graph before it ended and why (``.where``, ``.reason``); a block
                    split by one (an lm_head and its loss) cannot fuse.
     break_messages: ``fuser.explain``: Dynamo's own graph-break messages during the forward (first lines, each
@@ -82,6 +84,10 @@ class Report:
     padding_free:  with ``FuserConfig.padding_free``: the calls run packed, their real and padded token counts, and
                    why the others ran padded (``.packed``, ``.real_tokens``, ``.padded_tokens``, ``.declined``);
                    ``None`` with it off.
+    verbose:       what ``str()`` lists of ``near_misses``. False (the default): the missed fusions, code that looked
+                   like a block and was not fused; the declines of a pattern that could not apply to the model (no
+                   LoRA adapter on a half-precision base for ``lora_sum``, an input already fp32 for
+                   ``upcast_linear``: ``.applicable`` False) are only counted. True: every decline.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -97,6 +103,7 @@ class Report:
     inlined: dict[str, int] = field(default_factory=dict)
     not_inlined: dict[str, str] = field(default_factory=dict)
     padding_free: PaddingFreeStats | None = None
+    verbose: bool = False
 
     @property
     def graph_breaks(self) -> int:
@@ -137,12 +144,20 @@ class Report:
         if self.runs and self.executed != self.counts:
             ran = ", ".join(f"{k}={v}" for k, v in sorted(self.executed.items()))
             lines.append(f"run in the forward: {ran} (a graph compiled once ran again, e.g. for each decoder layer)")
-        if self.near_misses:
+        shown = [nm for nm in self.near_misses if self.verbose or nm.applicable]
+        if shown:
             lines.append("declined (not fused, and why):")
-            for nm in self.near_misses:
+            for nm in shown:
                 module = nm.module or "(top level)"
                 lines.append(f"  {nm.pattern:<20} {module}  {nm.where}")
-                lines.append(f"  {'':<20} {nm.reason}")
+                why = nm.reason if nm.applicable else f"does not apply to this model: {nm.reason}"
+                lines.append(f"  {'':<20} {why}")
+        hidden = len(self.near_misses) - len(shown)
+        if hidden:
+            lines.append(
+                f"not listed: {hidden} decline(s) of patterns that do not apply to this model (what they fuse is "
+                "not in it, or not in this dtype or setting); verbose=True lists them"
+            )
         if self.breaks:
             lines.append("graph breaks (each ends a captured graph; a block split by one is not fused):")
             for one in self.breaks:
@@ -177,8 +192,13 @@ def _capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     return capture(gm, example_inputs) if capture is not None else gm.forward
 
 
-def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs: Any) -> Report:
+def explain(model: Any, *args: Any, config: FuserConfig | None = None, verbose: bool = False, **kwargs: Any) -> Report:
     """Run one forward of ``model(*args, **kwargs)`` under Dynamo (executed eagerly) and match every graph.
+
+    ``str()`` of the report lists what would fuse and the declines that matter: code that looked like a block and
+    was not fused, with why. A pattern that could not apply to the model (``lora_sum`` in a model without LoRA
+    adapters on a half-precision base, ``upcast_linear`` where inputs are fp32 already) declines too; such declines
+    are listed only with ``verbose=True`` (:attr:`Report.verbose`), and are in ``.near_misses`` either way.
 
     Nothing of the run stays compiled: the cache entries it made on the model's code (shared with every model of
     its class, and counted toward ``torch._dynamo.config.recompile_limit``) are removed afterwards, so a later
@@ -190,7 +210,7 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, **kwargs:
     config = config or FuserConfig()
     patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]
     target = getattr(model, "_orig_mod", model)  # what fuser.optimize / torch.compile wrapped
-    report = Report()
+    report = Report(verbose=verbose)
     graph_runs: list[int] = []  # per captured graph, the times it ran
     graph_of_match: list[int] = []  # per match, its graph's index
 

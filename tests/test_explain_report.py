@@ -3,6 +3,7 @@ says why in words (no FX node dumps)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -10,7 +11,7 @@ import torch
 import fuser
 import fuser.dynamo_backend
 from fuser import _compat
-from tests.models.tiny import N_LAYERS, batch, build
+from tests.models.tiny import N_LAYERS, batch, build, with_lora
 
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 NORM_MODULES = [f"model.layers.{i}.{n}" for i in range(N_LAYERS) for n in LAYER_NORMS] + ["model.norm"]
@@ -202,3 +203,98 @@ def test_explain_leaves_no_shapes_that_make_the_next_compile_dynamic():
 
     torch.compile(_double, backend=record)(torch.randn(4))
     assert inputs and all(isinstance(x, torch.Tensor) and x.shape == (4,) for x in inputs), inputs
+
+
+# --- declines of patterns that could not apply to the model: listed only with verbose=True ---------------------
+
+NOT_FOR_FP32 = ("lora_sum", "upcast_linear")  # for fp32 adapters on a half-precision base, and inputs made fp32
+
+
+def _decline_rows(text: str, pattern: str) -> list[str]:
+    """The rows of ``str(report)``'s declined section (indented, unlike the matches) that name ``pattern``."""
+    return [line for line in text.splitlines() if line.startswith("  ") and line.split()[:1] == [pattern]]
+
+
+def test_fp32_llama_without_lora_lists_the_missed_fusions_and_no_lora_declines():
+    """The default rendering of a plain fp32 model: what fused, and the decline that matters (the final norm, which
+    the logits' slice also reads, is not fused with the lm_head), in the user's code, not graph node names; no
+    decline of a LoRA or upcast pattern, which has nothing to do in such a model."""
+    report = fuser.explain(build("llama"), **batch())
+    text = str(report)
+    for pattern in NOT_FOR_FP32:
+        assert not _decline_rows(text, pattern), text
+        assert all(not nm.applicable for nm in report.near_misses if nm.pattern == pattern), text
+    (norm,) = [nm for nm in report.near_misses if nm.pattern == "rms_norm_linear"]
+    assert norm.applicable and norm.module == "model.norm", norm
+    assert "logits_to_keep" in norm.reason and "modeling_utils.py:" in norm.reason, norm.reason
+    assert "hidden_states_" not in norm.reason and "getitem" not in norm.reason, norm.reason
+    rows = _decline_rows(text, "rms_norm_linear")
+    assert len(rows) == 1 and " model.norm " in rows[0], text
+    assert norm.reason in text, text
+    _assert_plain_words(text)
+
+
+def test_fp32_llama_with_lora_lists_lora_sum_declines_only_when_verbose():
+    """peft's adapters on an fp32 Llama: every LoRA sum declines, as lora_sum fuses adapters on a bf16/fp16 base.
+    Nothing was missed: the report counts them by default and lists each with verbose=True."""
+    report = fuser.explain(with_lora(build("llama")), **batch())
+    sums = [nm for nm in report.near_misses if nm.pattern == "lora_sum"]
+    assert len(sums) == 7 * N_LAYERS, str(report)  # q, k, v, o, gate, up, down
+    assert all(not nm.applicable and "torch.float32, not bf16/fp16" in nm.reason for nm in sums), str(report)
+    text = str(report)
+    assert not _decline_rows(text, "lora_sum") and "lora_sum" not in text, text
+    assert f"not listed: {len(sums)} decline(s) of patterns that do not apply" in text, text
+    assert "rms_norm_linear" in text, text  # the final norm's decline is still there
+    verbose = str(dataclasses.replace(report, verbose=True))
+    assert len(_decline_rows(verbose, "lora_sum")) == len(sums), verbose
+    assert verbose.count("does not apply to this model: the base layer's output is torch.float32") == len(sums)
+    assert "not listed" not in verbose
+
+
+def test_fp32_gemma_upcast_declines_say_the_input_is_fp32_and_only_when_verbose():
+    """Gemma's norm returns ``output.type_as(x)``: in an fp32 model a cast to fp32 that q/k/v (gate/up) each read.
+    upcast_linear matches each ``linear(cast, W)``; its input is fp32 already, so the pattern has nothing to do:
+    that is the reason given (not the cast's other readers), and the decline is listed only with verbose=True."""
+    report = fuser.explain(build("gemma"), **batch(), verbose=True)
+    assert report.verbose
+    upcasts = [nm for nm in report.near_misses if nm.pattern == "upcast_linear"]
+    assert len(upcasts) == 5 * N_LAYERS, str(report)  # q, k, v, gate, up
+    assert all(not nm.applicable and "torch.float32 before the cast" in nm.reason for nm in upcasts), str(report)
+    assert len(_decline_rows(str(report), "upcast_linear")) == len(upcasts), str(report)
+    quiet = str(dataclasses.replace(report, verbose=False))
+    assert not _decline_rows(quiet, "upcast_linear") and "upcast_linear" not in quiet, quiet
+
+
+class _UpcastInput(torch.nn.Module):
+    """``linear(h.to(fp32))`` where the cast is also summed: in fp32 the cast changes nothing (upcast_linear does not
+    apply); in bf16 it is an upcast whose copy another op reads (a missed fusion)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.proj = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = torch.exp(x.to(self.dtype)).to(torch.float32)
+        return self.proj(h).sum() + h.sum()
+
+
+def test_report_lists_declines_that_do_not_apply_only_when_verbose():
+    """fuser.report(model) renders as explain does: ``verbose=True`` adds the declines of a pattern that could not
+    apply; a decline for a use outside the block names that use's line of code."""
+    fp32, bf16 = _UpcastInput(torch.float32), _UpcastInput(torch.bfloat16)
+    x = torch.randn(2, 8)
+    # a backend of its own for each (one per config): a model's report holds the graphs its backend compiled
+    for model, inner in ((fp32, "eager"), (bf16, "aot_eager")):
+        fuser.optimize(model, fuser.FuserConfig(patterns=("upcast_linear",), inner_compiler=inner))(x)
+    (fp32_miss,) = fuser.report(fp32).near_misses
+    assert not fp32_miss.applicable and "torch.float32 before the cast" in fp32_miss.reason, fp32_miss.reason
+    assert "upcast_linear" not in str(fuser.report(fp32)), str(fuser.report(fp32))
+    verbose = fuser.report(fp32, verbose=True)
+    assert verbose.verbose and len(_decline_rows(str(verbose), "upcast_linear")) == 1, str(verbose)
+    (bf16_miss,) = fuser.report(bf16).near_misses
+    assert bf16_miss.applicable, bf16_miss.reason
+    assert "is also used by the code `return self.proj(h).sum() + h.sum()` (tests/test_explain_report.py:" in (
+        bf16_miss.reason
+    ), bf16_miss.reason
+    assert len(_decline_rows(str(fuser.report(bf16)), "upcast_linear")) == 1, str(fuser.report(bf16))

@@ -565,6 +565,16 @@ def source_line(node: Node) -> str:
     return node.name
 
 
+def code_at(node: Node) -> str:
+    """The user's line of code that produced ``node``, for a sentence: ``the code `y = h[:, -1]`
+    (llama/modeling_llama.py:471)``; its graph name where Dynamo recorded no line."""
+    where = source_line(node)
+    if where == node.name:
+        return f"`{node.name}`"
+    place, _, code = where.partition("  ")
+    return f"the code `{code}` ({place})" if code else f"the code at {place}"
+
+
 def location(path: str, lineno: int | str, code: str) -> str:
     """``file:line  code`` as the report shows a source line: the file's last two path components."""
     return f"{'/'.join(path.split('/')[-2:])}:{lineno}  {code.strip()}"

@@ -22,7 +22,20 @@ Node = torch.fx.Node
 
 
 class Decline(Exception):
-    """Raised by a pattern's ``check`` when a structural match is not safe to replace; the text says why."""
+    """Raised by a pattern's ``check`` when a structural match is not safe to replace; the text says why, in the
+    words of the model's code (what it computes there, its dtypes and shapes), for ``fuser.explain``.
+
+    A plain ``Decline`` is a missed fusion: code that looks like the block is not fused, which ``fuser.explain``
+    always shows. Where the pattern has nothing to do for this model, raise :class:`NotApplicable` instead.
+    """
+
+
+class NotApplicable(Decline):
+    """A decline where the pattern could not apply to this model, so nothing was missed: what the pattern is for is
+    absent there (the fp32 adapters on a bf16/fp16 base that ``lora_sum`` fuses, in an fp32 model; an input that is
+    fp32 already, for ``upcast_linear``; a setting the pattern is for). ``fuser.explain`` and ``fuser.report`` list
+    such declines only with ``verbose=True``; :attr:`NearMiss.applicable <fuser.engine.rewrite.NearMiss>` is False
+    for them."""
 
 
 @dataclass(frozen=True)

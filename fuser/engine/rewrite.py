@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from fuser.engine.canonical import canonical, is_shape_query, module_path, source_line
+from fuser.engine.canonical import canonical, code_at, is_shape_query, module_path, source_line
 from fuser.engine.function_linear import erase_dead_function_calls
 from fuser.engine.match import (
     OUTER_VALUE,
@@ -37,7 +37,7 @@ from fuser.engine.match import (
     shape_source,
     unused_shape_query,
 )
-from fuser.engine.protocol import ArgExpr, Decline, Pattern, Replacement
+from fuser.engine.protocol import ArgExpr, Decline, NotApplicable, Pattern, Replacement, Variant
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -69,13 +69,19 @@ class Match:
 @dataclass
 class NearMiss:
     """A block that was not fused: ``node`` is its root (a declined match) or the anchor op no form covered;
-    ``reason`` says why in words; ``nodes`` are the graph nodes the declined match covered, root first."""
+    ``reason`` says why in words; ``nodes`` are the graph nodes the declined match covered, root first.
+
+    ``applicable`` is False where the pattern could not apply to this model (its check raised
+    :class:`~fuser.engine.protocol.NotApplicable`: no LoRA adapter on a half-precision base, an input already
+    fp32): nothing was missed, and the report lists it only when verbose. True for a missed fusion.
+    """
 
     pattern: str
     node: Node
     reason: str
     graph_name: str
     nodes: tuple[Node, ...] = ()
+    applicable: bool = True
 
     @property
     def where(self) -> str:
@@ -217,13 +223,14 @@ def _try_patterns(
                 escape = None if pattern.judges_outside_uses else escaping_use(found)
                 try:
                     if escape is not None:
+                        _raise_if_not_applicable(pattern, found, variant, config)
                         inner, user = escape
                         if is_shape_query(user):
                             raise Decline(
                                 f"`{user.name}` reads the shape of intermediate `{inner.name}`, and no input of the "
                                 "block has that shape to read it from once the block is fused"
                             )
-                        raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
+                        raise Decline(f"intermediate `{inner.name}` is also used by {code_at(user)}, outside the block")
                     replacement = pattern.check(found, variant, config)
                     if replacement.dropped_outputs and graph_name:
                         # a nested subgraph's outputs are its higher-order op's: they must keep their values
@@ -239,7 +246,10 @@ def _try_patterns(
                     )
                     if str(why) not in reasons and not same:
                         reasons.add(str(why))
-                        pending.append(NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes)))
+                        applicable = not isinstance(why, NotApplicable)
+                        pending.append(
+                            NearMiss(pattern.name, node, str(why), graph_name, tuple(found.nodes), applicable)
+                        )
                     continue
                 match = Match(pattern.name, replacement.variant or variant.name, found, replacement, graph_name)
                 result.matches.append(match)
@@ -247,8 +257,24 @@ def _try_patterns(
                 return match
         for nm in pending:
             result.near_misses.append(nm)
-            log.debug("fuser: %s declined at %s: %s", pattern.name, source_line(node), nm.reason)
+            verb = "declined" if nm.applicable else "does not apply"
+            log.debug("fuser: %s %s at %s: %s", pattern.name, verb, source_line(node), nm.reason)
     return None
+
+
+def _raise_if_not_applicable(pattern: Pattern, found: Found, variant: Variant, config: FuserConfig) -> None:
+    """Raise ``pattern``'s :class:`NotApplicable` for ``found`` if its check gives one; otherwise return.
+
+    A match whose intermediate values are used outside it is declined for that use, before its check runs. Where
+    the pattern could not apply to it anyway (an upcast linear of an input that is fp32 already), that is the
+    reason to give: the use outside is no missed fusion. Any other decline of the check is left to the use outside,
+    which the user can change."""
+    try:
+        pattern.check(found, variant, config)
+    except NotApplicable:
+        raise
+    except Decline:
+        pass
 
 
 # higher-order ops whose body receives the operands unchanged: ``op(body, *operands)``

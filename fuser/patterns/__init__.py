@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fuser.engine.protocol import PATTERNS, register_pattern
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import Decline, NotApplicable, Pattern, Replacement, Variant
 from fuser.patterns.causal_attention import CAUSAL_ATTENTION
 from fuser.patterns.gated_mlp import GEGLU, REGLU, SWIGLU
 from fuser.patterns.layer_norm import LAYER_NORM
@@ -25,4 +25,13 @@ for _pattern in (*_NORMS, ROPE, *_MLPS, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION, 
 # what ``FuserConfig(patterns=None)`` applies
 DEFAULT_PATTERNS: tuple[str, ...] = tuple(name for name, p in PATTERNS.items() if p.default)
 
-__all__ = ["DEFAULT_PATTERNS", "PATTERNS", "Decline", "Pattern", "Replacement", "Variant", "register_pattern"]
+__all__ = [
+    "DEFAULT_PATTERNS",
+    "PATTERNS",
+    "Decline",
+    "NotApplicable",
+    "Pattern",
+    "Replacement",
+    "Variant",
+    "register_pattern",
+]

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fuser.engine.canonical import canonical, tensor_meta
+from fuser.engine.canonical import canonical, code_at, tensor_meta
 from fuser.engine.match import (
     C,
     Found,
@@ -63,7 +63,7 @@ from fuser.engine.match import (
 )
 from fuser.kernels.linear_cross_entropy import DwAccumulator, DwKernel  # importing it registers the op
 from fuser.options import check_fields
-from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, NotApplicable, Pattern, Replacement, Variant
 from fuser.patterns.embedding_grads import PASS as EMBEDDING_GRADS_PASS
 
 if TYPE_CHECKING:
@@ -316,14 +316,15 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
     returned, used = _outside_uses(found)
     if used:
         inner, user = used[0]
-        raise Decline(f"intermediate `{inner.name}` is also used by `{user.name}` outside the block")
+        raise Decline(f"intermediate `{inner.name}` is also used by {code_at(user)}, outside the block")
     if returned:
         returns = f"the graph returns the logits ({', '.join(f'`{n.name}`' for n in returned)})"
         as_written = "the loss is computed from them as written"
         if config.keep_logits:
             raise Decline(f"{returns} and FuserConfig.keep_logits=True: {as_written}")
         if not (grad_hidden or grad_weight or grad_bias):
-            raise Decline(f"{returns} and no gradient is wanted (evaluation): {as_written}")
+            # the op keeps the logits from memory in training; an evaluation that returns them has none to spare
+            raise NotApplicable(f"{returns} and no gradient is wanted (evaluation): {as_written}")
 
     # autocast ran the linear in a lower precision than its operands: the op gets them in that dtype
     compute = logits_t.dtype

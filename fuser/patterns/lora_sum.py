@@ -28,7 +28,17 @@ from fuser.engine.match import C, Found, Op, S, V, is_symbolic_scalar, scalar_ar
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
-from fuser.patterns.base import HALF_DTYPES, ArgExpr, Decline, Pattern, PostGradPass, Replacement, Variant, call_args
+from fuser.patterns.base import (
+    HALF_DTYPES,
+    ArgExpr,
+    Decline,
+    NotApplicable,
+    Pattern,
+    PostGradPass,
+    Replacement,
+    Variant,
+    call_args,
+)
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -134,7 +144,12 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
     base, w, out = (tensor_meta(v) for v in (b["base"], b["w"], found.root))
     if base is None or w is None or out is None:
         raise Decline("a value without shape or dtype metadata")
-    if base.dtype not in HALF_DTYPES or b["dtype"] != base.dtype:
+    if base.dtype not in HALF_DTYPES:
+        raise NotApplicable(
+            f"the base layer's output is {base.dtype}, not bf16/fp16: the op fuses fp32 LoRA adapters into a "
+            "half-precision base, and a LoRA sum all in one dtype has nothing for it to save"
+        )
+    if b["dtype"] != base.dtype:
         raise Decline(f"the sum of a {base.dtype} base is cast to {b['dtype']} (the op returns the base's half dtype)")
     if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
         raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")

@@ -42,7 +42,7 @@ import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.lora_sum
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 from fuser._compat import statically_same_shape
 from fuser._dtypes import HALF_DTYPES
-from fuser.engine.canonical import canonical, strip_exact_upcast, tensor_meta, value_readers
+from fuser.engine.canonical import canonical, code_at, strip_exact_upcast, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
@@ -283,8 +283,7 @@ def _projection_reader(user: torch.fx.Node, y: torch.fx.Node, config: FuserConfi
             if reason is not None:
                 return f"{name} casts the normalised value for `{lora.name}`, which upcast_linear declines: {reason}"
         return None
-    what = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", str(user.target))
-    return f"{name} ({what}) also reads the normalised value: only linear projections may"
+    return f"{code_at(user)} also reads the normalised value: only linear projections may"
 
 
 def _why_not_rebuilt(linear: torch.fx.Node, weight: object, bias: object, y: torch.fx.Node) -> str | None:

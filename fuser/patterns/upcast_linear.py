@@ -37,7 +37,7 @@ from fuser.engine.match import C, Found, OneOf, Op, V
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
 from fuser.options import check_fields
-from fuser.patterns.base import Decline, Pattern, Replacement, Variant
+from fuser.patterns.base import Pattern, Replacement, Variant
 from fuser.patterns.gated_mlp import plain_gated_product, swap_in_gated_linear
 from fuser.patterns.rms_norm import norm_of, norm_output
 from fuser.patterns.upcast_check import why_not_upcast
@@ -73,9 +73,9 @@ VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V
 def check_upcast_linear(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
     b = found.bindings
     bias = b.get("b")
-    reason = why_not_upcast(b["x"], b["dtype"], b["w"], found.root, bias)
-    if reason is not None:
-        raise Decline(reason)
+    decline = why_not_upcast(b["x"], b["dtype"], b["w"], found.root, bias)
+    if decline is not None:
+        raise decline
     allow_triton = {"allow_triton": config.upcast_linear.triton}
     return Replacement(torch.ops.fuser.upcast_linear.default, (b["x"], b["w"], bias), allow_triton)
 
