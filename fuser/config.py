@@ -90,6 +90,16 @@ class FuserConfig:
     model whose checkpointed layers need a side effect replayed. Scoped like ``ignore_logging``; under
     ``torch.compile(m, backend="fuser")`` set the Dynamo flag yourself."""
 
+    ignore_input_require_grads: bool = True
+    """While Dynamo traces those same calls, the forward hook that transformers' ``gradient_checkpointing_enable``
+    (and peft) put on the input embeddings, ``output.requires_grad_(True)``, is replaced by one that does nothing,
+    where every checkpointed layer of the model checkpoints without reentrancy (``use_reentrant=False``,
+    transformers' default) or nothing is checkpointed. Dynamo cannot trace that call on a frozen embedding's output:
+    it gives up on the whole forward and traces each nested frame again, several times the compile time of a LoRA
+    model with gradient checkpointing. The hook exists for reentrant checkpointing, whose layers get no gradients
+    unless their input requires one; without reentrancy every parameter's gradient is the same without it. The
+    hook is put back after each call. Scoped like ``ignore_logging``."""
+
     direct_calls: bool = True
     """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
     and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
@@ -190,6 +200,7 @@ class FuserConfig:
             "strict",
             "ignore_logging",
             "checkpoint_side_effects",
+            "ignore_input_require_grads",
             "direct_calls",
             "inline_ops",
             "embedding_grads",

@@ -26,7 +26,7 @@ from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
 from fuser.patterns.linear_cross_entropy import LOGITS_FROM_BEFORE_THE_GRAPH
 from fuser.report import UNKNOWN_REASON, GraphBreak, Report, graph_break
-from fuser.tracing import tracing_context
+from fuser.tracing import input_require_grads_ignored, tracing_context
 
 log = logging.getLogger("fuser")
 
@@ -421,7 +421,9 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
     """What each call of ``model`` (compiled by :func:`optimize` or :func:`optimize_`) runs inside: with
     ``FuserConfig.zero3_lm_head``, first the lm_head's DeepSpeed ZeRO-3 hooks handed to its caller (once: DeepSpeed
     adds them in ``deepspeed.initialize``, after ``optimize_``), and a warning where ZeRO-3 hooks the decoder layers'
-    submodules one by one (once); then :meth:`FuserBackend.calls_scope`."""
+    submodules one by one (once); the input embeddings' ``make_inputs_require_grads`` hooks swapped for a no-op
+    (``ignore_input_require_grads``, :func:`fuser.tracing.input_require_grads_ignored`); then
+    :meth:`FuserBackend.calls_scope`."""
     target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
     unchecked_layers = [True]
 
@@ -432,7 +434,12 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
                 zero3.gather_lm_head_with_its_caller(one)
             if unchecked_layers[0]:
                 unchecked_layers[0] = not zero3.warn_if_layers_are_not_leaves(one)
-        return chosen.calls_scope()
+        if one is None or not chosen.config.ignore_input_require_grads:
+            return chosen.calls_scope()
+        stack = contextlib.ExitStack()
+        stack.enter_context(input_require_grads_ignored(one))
+        stack.enter_context(chosen.calls_scope())
+        return stack
 
     return scope
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections import Counter
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from fuser.engine.canonical import location
 from fuser.engine.rewrite import Match, NearMiss, count_by_pattern, find_matches
 from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
-from fuser.tracing import tracing_context
+from fuser.tracing import input_require_grads_ignored, tracing_context
 
 # a recompile's reason where Dynamo recorded none
 UNKNOWN_REASON = "Dynamo gave no reason"
@@ -234,7 +235,11 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, verbose: 
     messages_before = _compat.dynamo_graph_break_messages()
     token = _CAPTURE.set(capture)
     try:
-        with tracing_context(config), _compat.compiled_leaving_no_trace(target, _capture_backend) as compiled:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tracing_context(config))
+            if config.ignore_input_require_grads:
+                stack.enter_context(input_require_grads_ignored(target))
+            compiled = stack.enter_context(_compat.compiled_leaving_no_trace(target, _capture_backend))
             compiled(*args, **kwargs)
     finally:
         _CAPTURE.reset(token)

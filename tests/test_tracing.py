@@ -222,3 +222,59 @@ def test_a_checkpointed_transformers_model_fuses_every_block():
     counts, graphs = _compiled_since(backend, start)
     assert graphs == 1 and fused_norms(counts) == expected_norms("llama"), counts
     assert counts.get("rope") == 2 and counts.get("swiglu") == 2, counts
+
+
+def _require_grads_hooks(model: torch.nn.Module) -> list:
+    return list(model.get_input_embeddings()._forward_hooks.values())
+
+
+@pytest.mark.parametrize("api", ["optimize", "optimize_"])
+def test_a_checkpointed_lora_model_traces_once_and_trains_as_eager(api):
+    """peft LoRA with transformers' non-reentrant checkpointing, whose ``gradient_checkpointing_enable`` hooks the
+    input embeddings (``make_inputs_require_grads``): with ``ignore_input_require_grads`` the forward is one graph,
+    traced once (Dynamo gives up on no frame), the step equals eager's, and the hook is the model's after the call."""
+    from tests.models.tiny import batch, build, checkpointed, grads, with_lora
+
+    model = checkpointed(with_lora(build("llama")))
+    (hook,) = _require_grads_hooks(model)
+    eager = copy.deepcopy(model)
+    want = eager(**batch())
+    want.loss.backward()
+    backend = fuser.backend(AOT)
+    start = len(backend.results)
+    compiled = fuser.optimize(model, AOT) if api == "optimize" else fuser.optimize_(model, AOT)
+    got = compiled(**batch())
+    got.loss.backward()
+    counts, graphs = _compiled_since(backend, start)
+    blocks = {k: counts.get(k) for k in ("swiglu", "rope", "causal_attention", "linear_cross_entropy")}
+    assert graphs == 1 and blocks == {"swiglu": 2, "rope": 2, "causal_attention": 2, "linear_cross_entropy": 1}
+    assert not backend.gave_up and _require_grads_hooks(model) == [hook]
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    want_grads, got_grads = grads(eager), grads(model)
+    assert want_grads.keys() == got_grads.keys() and want_grads
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_hook_stays_under_reentrant_checkpointing_or_when_switched_off():
+    """Reentrant checkpointing needs the hook (its layers get no gradients otherwise): it is kept there, and where
+    ``ignore_input_require_grads`` is off; under non-reentrant checkpointing it is a no-op inside a call's scope
+    and the model's own after."""
+    from fuser.dynamo_backend import _calls_scope
+    from tests.models.tiny import build, with_lora
+
+    def enabled(**kwargs):
+        model = with_lora(build("llama"))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return model, _require_grads_hooks(model)
+
+    for kwargs in ({"use_reentrant": True}, {}):  # without the argument torch's checkpoint is reentrant
+        model, hooks = enabled(**kwargs)
+        with _calls_scope(model, fuser.backend(AOT))():
+            assert _require_grads_hooks(model) == hooks, kwargs
+    model, hooks = enabled(use_reentrant=False)
+    with _calls_scope(model, fuser.backend({**AOT, "ignore_input_require_grads": False}))():
+        assert _require_grads_hooks(model) == hooks
+    with _calls_scope(model, fuser.backend(AOT))():
+        assert _require_grads_hooks(model) != hooks and len(_require_grads_hooks(model)) == 1
+    assert _require_grads_hooks(model) == hooks
