@@ -1,6 +1,13 @@
 """The one place that touches private PyTorch APIs, so a torch upgrade breaks one small file.
 
 Supported: torch >= 2.11.
+
+Private APIs used elsewhere, and why (``PRIVATE_USES_ELSEWHERE`` below; ``tests/test_private_apis.py`` fails on
+any other ``torch._*`` use outside this file):
+
+- ``fuser/kernels/linear_cross_entropy.py``, ``torch._foreach_mul_``: an ATen op of the kernel's eager backward
+  (the gradients scaled in place in one vectorised pass), not an internal of PyTorch; it has no public spelling,
+  and a wrapper here would move part of the op's maths away from it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,69 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
+
+# (file, API, why it stays there): the private torch uses outside this file, which the module docstring lists
+PRIVATE_USES_ELSEWHERE: tuple[tuple[str, str, str], ...] = (
+    (
+        "fuser/kernels/linear_cross_entropy.py",
+        "torch._foreach_mul_",
+        "an ATen op of the kernel's eager backward, with no public spelling: part of the op's maths",
+    ),
+)
+
+OpOverload = torch._ops.OpOverload
+"""The type of one overload of a registered op (``torch.ops.fuser.rms_norm.default``)."""
+
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+"""The function a traced ``torch.set_grad_enabled``/``torch.no_grad`` records as its graph node's target."""
+
+
+def registered_op_names() -> list[str]:
+    """The qualified names (``"namespace::name"`` or ``"namespace::name.overload"``) of every op the dispatcher
+    knows."""
+    return torch._C._dispatch_get_all_op_names()
+
+
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a storage to read (``untyped_storage()``): a sparse tensor, or a wrapper subclass
+    without one, has none."""
+    return torch._C._has_storage(tensor)
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager[Any]:
+    """A context in which ops dispatch through Python (what running a graph's ops on its fake values needs)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
+def real_tensors() -> contextlib.AbstractContextManager[Any]:
+    """A context in which new tensors are real, even inside a fake mode (a compile's trace)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+@functools.cache
+def _traced_tensor_types() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
+
+
+def is_fake_or_functional(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor, or one wrapped by functionalization (what a trace runs on)."""
+    return isinstance(value, torch.Tensor) and (
+        isinstance(value, _traced_tensor_types()) or torch._is_functional_tensor(value)
+    )
+
+
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Inductor's decomposition table (op overload -> its decomposition)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def inductor_compile(
@@ -65,7 +135,7 @@ def register_inductor_fallbacks(namespace: str) -> int:
         return 0
     prefix = f"{namespace}::"
     new = 0
-    for qualified in torch._C._dispatch_get_all_op_names():
+    for qualified in registered_op_names():
         if not qualified.startswith(prefix):
             continue
         name, _, overload = qualified[len(prefix) :].partition(".")

@@ -30,16 +30,16 @@ NAMESPACE = "fuser"
 
 _library: torch.library.Library | None = None
 # default overload -> its direct overload; filled by register()
-_DIRECT: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
+_DIRECT: dict[_compat.OpOverload, _compat.OpOverload] = {}
 
 
-def register() -> dict[torch._ops.OpOverload, torch._ops.OpOverload]:
+def register() -> dict[_compat.OpOverload, _compat.OpOverload]:
     """Define the ``direct`` overload of every functional ``fuser::`` custom op that has none yet; returns the
     map from each default overload to its direct one. Called before Inductor compiles (so the new overloads get
     their fallback lowering with the others), and again whenever a new op was registered since."""
     global _library
     prefix = f"{NAMESPACE}::"
-    for qualified in torch._C._dispatch_get_all_op_names():
+    for qualified in _compat.registered_op_names():
         if not qualified.startswith(prefix) or "." in qualified[len(prefix) :]:
             continue  # overloads other than the default (our direct ones among them)
         name = qualified[len(prefix) :]

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.fx
 
+from fuser._compat import SET_GRAD_ENABLED
+
 Node = torch.fx.Node
 
 AUTOGRAD_FUNCTION_APPLY = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 _CACHE_KEY = "fuser_function_linear"
 # what a linear's backward may do besides its matrix products and the bias's sum
-_NEUTRAL_FUNCTIONS = (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast)
+_NEUTRAL_FUNCTIONS = (SET_GRAD_ENABLED, torch.amp.autocast_mode._enter_autocast)
 _NEUTRAL_FUNCTIONS += (torch.amp.autocast_mode._exit_autocast,)
 _RESHAPES = ("reshape", "view", "t", "contiguous")
 

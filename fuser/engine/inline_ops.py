@@ -58,9 +58,9 @@ class Declined(Exception):
     """Why one call cannot be inlined, in words for :func:`fuser.report`."""
 
 
-def _default_overload(target: Any) -> torch._ops.OpOverload | None:
+def _default_overload(target: Any) -> _compat.OpOverload | None:
     """The default overload of a ``fuser::`` op for ``target`` (its default or ``direct`` overload), else None."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
+    if not isinstance(target, _compat.OpOverload) or target.namespace != NAMESPACE:
         return None
     return target.overloadpacket.default
 
@@ -90,18 +90,11 @@ def _no_direct_launches() -> Iterator[None]:
     except ImportError:  # pragma: no cover - no Triton, no kernels to launch
         yield
         return
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    def traced(v: Any) -> bool:  # a fake tensor, or one wrapped by the functionalization the trace runs under
-        return isinstance(v, torch.Tensor) and (
-            isinstance(v, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(v)
-        )
-
     original = JITFunction.run
 
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(traced(v) for v in (*args, *kwargs.values())):
+        # a fake tensor, or one wrapped by the functionalization the trace runs under
+        if any(_compat.is_fake_or_functional(v) for v in (*args, *kwargs.values())):
             raise Declined(f"its body launches the Triton kernel {self.__name__} directly, where a trace cannot see it")
         return original(self, *args, **kwargs)
 
@@ -122,9 +115,10 @@ def _autocast_off() -> contextlib.ExitStack:
 def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: Any) -> torch.fx.GraphModule:
     """``function(*args, **kwargs)`` traced functionally on the tensor leaves of args/kwargs (fake tensors), with
     its kernel launches as graph nodes, with grad mode and autocast off (as in a compiled graph's call)."""
-    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
+    decompositions = _compat.inductor_decompositions()  # imported here, outside the fake mode
     leaves, spec = pytree.tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -139,8 +133,6 @@ def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: A
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast's "CUDA is not available" where there is no GPU (CPU tests)
         with fake_mode, tracing_kernels(), _no_direct_launches(), torch.no_grad(), _autocast_off():
-            # decomposed as Inductor decomposes the graphs it is given (aten.t, for one, reaches Inductor only so)
-            decompositions = select_decomp_table()
             traced = make_fx(torch.func.functionalize(body), decomposition_table=decompositions, tracing_mode="real")
             return traced(*[leaves[i] for i in where])
 
@@ -169,7 +161,7 @@ def _check_autocast(gm: torch.fx.GraphModule) -> None:
     """Raise :class:`Declined` where the traced body calls an op that autocast would change."""
     half = (torch.float16, torch.bfloat16)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
             continue
         name = node.target.overloadpacket.__name__.rstrip("_")
         if name in _AUTOCAST_LOWER:
@@ -206,7 +198,7 @@ class Inliner:
         self.declined: dict[str, str] = {}  # op name -> the last reason a call of it stayed a call
         self.seconds = 0.0  # compile time spent here: tracing bodies and splicing them in
 
-    def _graph_for(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, fake_mode: Any) -> torch.fx.GraphModule:
+    def _graph_for(self, op: _compat.OpOverload, args: tuple, kwargs: dict, fake_mode: Any) -> torch.fx.GraphModule:
         if op._schema.is_mutable:
             raise Declined("it writes into an input, which Inductor's functional graph would have to copy")
         values = pytree.tree_leaves((args, kwargs))
@@ -285,14 +277,12 @@ def _splice(
     Each new node gets fake values of its own, computed here from its inputs': a trace serves every call of the same
     signature (each layer's), and values shared between two calls would tell Inductor that their buffers are one
     storage (it would then copy a kernel's output buffer instead of writing it in place)."""
-    from torch._dispatch.python import enable_python_dispatcher
-
     inputs = [leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, torch.fx.Node)]
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
     outputs: list[Any] = []
     added: list[torch.fx.Node] = []
-    with graph.inserting_before(node), fake_mode, enable_python_dispatcher():
+    with graph.inserting_before(node), fake_mode, _compat.python_dispatcher():
         for inner in gm.graph.nodes:
             if inner.op == "placeholder":
                 env[inner] = next(placeholders)

@@ -33,6 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fuser import _compat
+
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -81,10 +83,8 @@ def _probe(device_index: int, dtype: torch.dtype, head_dim: int) -> str | None:
     shorter than the sequence) checked against the fp32 maths; None when it ran and agreed, else what went wrong.
     A PyTorch build whose kernels lack a case (a head size, an architecture) then falls back to the masked call
     instead of failing inside a training step."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     try:
-        with unset_fake_temporarily(), torch.enable_grad():
+        with _compat.real_tensors(), torch.enable_grad():
             device = torch.device("cuda", device_index)
             gen = torch.Generator(device=device).manual_seed(0)
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
-from fuser._compat import statically_equal
+from fuser._compat import OpOverload, statically_equal
 from fuser.engine.canonical import canonical, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.options import check_fields
@@ -439,7 +439,7 @@ def plain_gated_product(x: Any) -> GatedProduct | None:
 def swap_in_gated_linear(
     graph: torch.fx.Graph,
     node: torch.fx.Node,
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     linear_args: tuple[Any, Any, Any],
     product: GatedProduct,
     kwargs: dict[str, Any] | None = None,

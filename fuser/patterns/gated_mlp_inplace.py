@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers the fuser:: gated ops)
+from fuser._compat import has_storage
 from fuser.patterns.base import PostGradPass, call_args
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ _META_ONLY = {
 
 def _storage(node: Any) -> int | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not torch._C._has_storage(val):
+    if not isinstance(val, torch.Tensor) or not has_storage(val):
         return None
     return val.untyped_storage()._cdata
 

@@ -28,7 +28,7 @@ import torch.fx
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rope_backward)
-from fuser._compat import statically_same_shape
+from fuser._compat import python_dispatcher, statically_same_shape
 from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import tensor_meta
 from fuser.engine.protocol import call_args, with_args
@@ -70,11 +70,9 @@ def _narrowing_to(user: torch.fx.Node) -> torch.dtype | None:
 
 def _fake_results(node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     """What ``node``'s op returns for ``args``/``kwargs``, on the graph's fake values."""
-    from torch._dispatch.python import enable_python_dispatcher
-
     values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values) if hasattr(v, "fake_mode"))
-    with fake_mode, enable_python_dispatcher():
+    with fake_mode, python_dispatcher():
         return node.target(*values[0], **values[1])
 
 
