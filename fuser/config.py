@@ -110,9 +110,9 @@ class FuserConfig:
     replaced, at compile time, by what its Python body does for those shapes (its buffers and kernel launches), so
     no op body runs per call. Same kernels, same arguments. It helps a step whose host cannot launch kernels as fast
     as the GPU runs them, leaves a GPU-bound one as it was, and costs compile time. A call that might not compute the
-    same inlined (it writes an input, its shapes are dynamic, it calls a matmul that the caller's autocast would
-    change, its tensors are not on a GPU) stays a call; ``fuser.report(model).not_inlined`` says why
-    (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g. to compare or to debug a kernel from Python."""
+    same inlined (it writes an input, its shapes are dynamic, its tensors are not on a GPU) stays a call;
+    ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g.
+    to compare or to debug a kernel from Python."""
 
     embedding_grads: bool = True
     """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op

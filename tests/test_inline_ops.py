@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fuser
+from fuser import _compat
 from fuser.engine import inline_ops, launches
 from fuser.kernels import _triton as tt
 from fuser.kernels import rms_norm as R
@@ -220,6 +221,72 @@ def test_dynamic_shapes_stay_calls(known_writes):
     assert "dynamic shapes" in inliner.declined["rms_norm"]
 
 
+@torch.library.custom_op("fuser::_test_scaled_mm", mutates_args=())
+def _scaled_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A fused op whose body is a matmul, as ``linear_normed``'s and ``upcast_linear``'s are."""
+    return (x @ w) * 2
+
+
+@_scaled_mm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def test_a_call_whose_body_calls_a_matmul_is_inlined():
+    """Autocast is no reason to keep a call (the premise is the next test's): the matmul is spliced in."""
+    gm = graph_of(lambda x, w: torch.ops.fuser._test_scaled_mm(x, w) + 1, (16, 32), (32, 8))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 1, inliner.declined
+    assert inliner.inlined == {"_test_scaled_mm": 1} and not inliner.declined
+    assert calls(gm, torch.ops.aten.mm.default) and not calls(gm, torch.ops.fuser._test_scaled_mm.default)
+
+
+def test_compiled_graphs_call_ops_with_autocast_off():
+    """The premise of inlining under autocast: a graph compiled under autocast calls its ops, forward and
+    backward, with autocast off (AOT autograd's runtime wrapper), so a call's body computes as its inlined trace
+    (made with autocast off) does; and a change of autocast state compiles again, so a graph compiled without
+    autocast never runs under it. Should PyTorch change either, calls whose bodies autocast would change must
+    stay calls again."""
+    seen = []
+
+    @torch.library.custom_op("fuser_test::autocast_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(("forward", torch.is_autocast_enabled("cpu"), (x @ x.t()).dtype))
+        return x.clone()
+
+    @probe.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("fuser_test::autocast_probe_backward", mutates_args=())
+    def probe_backward(g: torch.Tensor) -> torch.Tensor:
+        seen.append(("backward", torch.is_autocast_enabled("cpu"), (g @ g.t()).dtype))
+        return g.clone()
+
+    @probe_backward.register_fake
+    def _(g):
+        return torch.empty_like(g)
+
+    probe.register_autograd(lambda ctx, g: probe_backward(g), setup_context=lambda ctx, inputs, output: None)
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return _compat.lookup_dynamo_backend("inductor")(gm, example_inputs)
+
+    @torch.compile(backend=backend)
+    def step(x, w):
+        return probe((x @ w).float()).sum()
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = step(x, w)
+    loss.backward()
+    assert seen == [("forward", False, torch.float32), ("backward", False, torch.float32)]
+    step(x, w)
+    assert len(compiles) == 2  # autocast off now: compiled again
+
+
 @pytest.fixture
 def no_inductor_cache():
     # a graph from Inductor's (or AOT autograd's) cache skips the post-grad pass, and with it the inlining
@@ -264,6 +331,35 @@ def test_gpu_lora_step_launches_the_kernels_from_inductor_as_close_to_fp32(arch,
         if label == "eager bf16":  # summed over the model, no farther from fp32 than eager
             assert sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), errors
         for n, (err, err_cmp) in errors.items():
+            assert err <= 2 * err_cmp + 1e-3, f"{n}: inlined {err:.2e}, {label} {err_cmp:.2e} vs fp32"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_gpu_autocast_lora_step_inlines_the_matmul_ops_as_close_to_fp32(arch, no_inductor_cache):
+    """The Trainer's form: bf16 autocast over a bf16 base with peft's fp32 adapters. The ops whose bodies call a
+    matmul (the upcast linears, the loss) are inlined as the others are, and the step is as close to the fp32
+    model's as eager autocast's and as the calls' (``inline_ops=False``)."""
+    model = with_lora(build(arch, torch.bfloat16)).cuda()
+    data = {k: v.cuda() for k, v in batch(seq=64).items()}
+
+    def amp_step(m, config):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return _step(m, config, data)
+
+    loss32, g32 = _step(copy.deepcopy(model).float(), None, data)
+    loss_amp, g_amp = amp_step(copy.deepcopy(model), None)
+    off = copy.deepcopy(model)
+    loss_off, g_off = amp_step(off, fuser.FuserConfig(strict=True, inline_ops=False))
+    loss, got = amp_step(model, fuser.FuserConfig(strict=True, inline_ops=True))
+    report = fuser.report(model)
+    assert {"upcast_linear", "linear_cross_entropy"} <= set(report.inlined), (report.inlined, report.not_inlined)
+    assert not any("autocast" in why or "could not be traced" in why for why in report.not_inlined.values())
+    assert g32.keys() == got.keys() == g_amp.keys() and got
+    for label, (l_cmp, g_cmp) in {"eager autocast": (loss_amp, g_amp), "inline_ops=False": (loss_off, g_off)}.items():
+        assert abs(loss - loss32) <= 2 * abs(l_cmp - loss32) + 1e-3 * abs(loss32), (label, loss, l_cmp, loss32)
+        for n, g in got.items():
+            err, err_cmp = rel(g, g32[n]), rel(g_cmp[n], g32[n])
             assert err <= 2 * err_cmp + 1e-3, f"{n}: inlined {err:.2e}, {label} {err_cmp:.2e} vs fp32"
 
 

@@ -19,11 +19,14 @@ same:
 - the op mutates an input (the in-place gated backward, the dx accumulation);
 - a shape is symbolic (a dynamic-shape graph: the body's choices hold only for the traced shape);
 - its tensors are not all on a GPU (CPU tensors take the op's reference path, chosen at run time);
-- the body calls an op that autocast changes (a matmul; a reduction or ``exp`` of a half-precision tensor): the op
-  call runs under the caller's autocast, the inlined ops would not;
 - Inductor could not tell which arguments a kernel writes (it would copy back every argument), or the body could
   not be traced at all (a data-dependent value, or a Triton kernel launched other than through ``launchable``: such
   a launch is refused during the trace, since on fake tensors it would run on null pointers).
+
+Autocast is no reason to keep a call: a graph compiled under autocast runs with autocast off (AOT autograd's runtime
+wrapper disables it around the forward and the backward, the casts autocast chose being ops of the graph), and
+Dynamo compiles again when the autocast state changes. A call's body and its inlined trace, made with autocast off,
+run the same matmuls in the same dtypes (``tests/test_inline_ops.py`` holds PyTorch to this).
 
 On by default (``FuserConfig(inline_ops=False)`` keeps the calls): it helps a host-bound step, leaves a GPU-bound one
 as it was, and costs compile time (``docs/defaults.md``, ``inline_ops``). The reasons a call stays a call are kept
@@ -137,43 +140,6 @@ def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: A
             return traced(*[leaves[i] for i in where])
 
 
-# What CUDA autocast changes (its policy lists, aten/src/ATen/autocast_mode.cpp), by aten op name, as they appear in a
-# body traced with Inductor's decompositions: the lower-precision ops (any input), and the ops it runs in fp32 or
-# promotes (where an input is half precision). A traced body calling one of them would compute differently under the
-# caller's autocast than inlined, where nothing is autocast.
-_AUTOCAST_LOWER = frozenset(
-    "mm addmm addmv addr addbmm baddbmm bmm matmul mv dot vdot einsum linear convolution _convolution conv1d conv2d "
-    "conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu linalg_vecdot chain_matmul "
-    "_scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention "
-    "_scaled_dot_product_cudnn_attention scaled_dot_product_attention _scaled_mm".split()
-)
-_AUTOCAST_WIDE = frozenset(
-    "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm "
-    "native_layer_norm group_norm native_group_norm frobenius_norm nuclear_norm cosine_similarity nll_loss "
-    "nll_loss_forward nll_loss2d kl_div l1_loss smooth_l1_loss huber_loss mse_loss binary_cross_entropy_with_logits "
-    "dist pdist cdist renorm logsumexp prod softmax _softmax log_softmax _log_softmax cumprod cumsum "
-    "linalg_vector_norm linalg_matrix_norm sum addcdiv addcmul atan2 bilinear cross grid_sampler index_put "
-    "scatter_add tensordot".split()
-)
-
-
-def _check_autocast(gm: torch.fx.GraphModule) -> None:
-    """Raise :class:`Declined` where the traced body calls an op that autocast would change."""
-    half = (torch.float16, torch.bfloat16)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
-            continue
-        name = node.target.overloadpacket.__name__.rstrip("_")
-        if name in _AUTOCAST_LOWER:
-            raise Declined(f"its body calls aten.{name}, which runs in the caller's autocast dtype when called")
-        if name in _AUTOCAST_WIDE:
-            inputs = [a.meta.get("val") for a in node.all_input_nodes]
-            if any(isinstance(v, torch.Tensor) and v.dtype in half for v in inputs):
-                raise Declined(
-                    f"its body calls aten.{name} on a half-precision tensor, which autocast runs in fp32 when called"
-                )
-
-
 def _check(gm: torch.fx.GraphModule) -> None:
     placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
     for node in gm.graph.nodes:
@@ -226,7 +192,6 @@ class Inliner:
         try:
             gm = _trace(function, args, kwargs, fake_mode)
             _check(gm)
-            _check_autocast(gm)
         except Declined as reason:
             return str(reason)
         except Exception as error:  # noqa: BLE001 - any failure to trace leaves the call as it was
