@@ -353,4 +353,6 @@ def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:
             fuser_recompiles=report.recompiles,
             fuser_graphs=report.graphs,
             fuser_graph_breaks=report.graph_breaks,
+            fuser_inlined=dict(report.inlined),
+            fuser_not_inlined=dict(report.not_inlined),
         )
