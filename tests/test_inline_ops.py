@@ -241,6 +241,30 @@ def test_a_call_whose_body_calls_a_matmul_is_inlined():
     assert calls(gm, torch.ops.aten.mm.default) and not calls(gm, torch.ops.fuser._test_scaled_mm.default)
 
 
+@torch.library.custom_op("fuser::_test_side_stream", mutates_args=())
+def _side_stream_op(x: torch.Tensor) -> torch.Tensor:
+    """A fused op whose body moves work to another stream, as the loss's weight gradient does."""
+    torch.cuda.set_stream(SIDE_STREAM)
+    return x * 2
+
+
+SIDE_STREAM = object()  # never reached: the trace refuses the switch before it is made
+
+
+@_side_stream_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_call_whose_body_switches_streams_stays_a_call():
+    """A trace records no stream: inlined, the body's overlap would be lost, so the call stays a call."""
+    gm = graph_of(lambda x: torch.ops.fuser._test_side_stream(x) + 1, (16, 32))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0
+    assert "CUDA stream" in inliner.declined["_test_side_stream"], inliner.declined
+    assert torch.cuda.set_stream is not None and "refusing" not in repr(torch.cuda.set_stream)  # put back
+
+
 def test_compiled_graphs_call_ops_with_autocast_off():
     """The premise of inlining under autocast: a graph compiled under autocast calls its ops, forward and
     backward, with autocast off (AOT autograd's runtime wrapper), so a call's body computes as its inlined trace
@@ -338,8 +362,8 @@ def test_gpu_lora_step_launches_the_kernels_from_inductor_as_close_to_fp32(arch,
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_gpu_autocast_lora_step_inlines_the_matmul_ops_as_close_to_fp32(arch, no_inductor_cache):
     """The Trainer's form: bf16 autocast over a bf16 base with peft's fp32 adapters. The ops whose bodies call a
-    matmul (the upcast linears, the loss) are inlined as the others are, and the step is as close to the fp32
-    model's as eager autocast's and as the calls' (``inline_ops=False``)."""
+    matmul (the upcast linears) are inlined as the others are (the loss stays a call, for its side stream), and the
+    step is as close to the fp32 model's as eager autocast's and as the calls' (``inline_ops=False``)."""
     model = with_lora(build(arch, torch.bfloat16)).cuda()
     data = {k: v.cuda() for k, v in batch(seq=64).items()}
 
@@ -353,8 +377,9 @@ def test_gpu_autocast_lora_step_inlines_the_matmul_ops_as_close_to_fp32(arch, no
     loss_off, g_off = amp_step(off, fuser.FuserConfig(strict=True, inline_ops=False))
     loss, got = amp_step(model, fuser.FuserConfig(strict=True, inline_ops=True))
     report = fuser.report(model)
-    assert {"upcast_linear", "linear_cross_entropy"} <= set(report.inlined), (report.inlined, report.not_inlined)
+    assert {"upcast_linear", "upcast_linear_grads", "lora_sum"} <= set(report.inlined), report.not_inlined
     assert not any("autocast" in why or "could not be traced" in why for why in report.not_inlined.values())
+    assert "CUDA stream" in report.not_inlined["linear_cross_entropy"]  # its weight gradient's side stream
     assert g32.keys() == got.keys() == g_amp.keys() and got
     for label, (l_cmp, g_cmp) in {"eager autocast": (loss_amp, g_amp), "inline_ops=False": (loss_off, g_off)}.items():
         assert abs(loss - loss32) <= 2 * abs(l_cmp - loss32) + 1e-3 * abs(loss32), (label, loss, l_cmp, loss32)

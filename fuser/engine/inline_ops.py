@@ -19,6 +19,7 @@ same:
 - the op mutates an input (the in-place gated backward, the dx accumulation);
 - a shape is symbolic (a dynamic-shape graph: the body's choices hold only for the traced shape);
 - its tensors are not all on a GPU (CPU tensors take the op's reference path, chosen at run time);
+- the body switches CUDA streams (a trace records none: the inlined ops would lose the overlap);
 - Inductor could not tell which arguments a kernel writes (it would copy back every argument), or the body could
   not be traced at all (a data-dependent value, or a Triton kernel launched other than through ``launchable``: such
   a launch is refused during the trace, since on fake tensors it would run on null pointers).
@@ -108,6 +109,34 @@ def _no_direct_launches() -> Iterator[None]:
         JITFunction.run = original
 
 
+@contextlib.contextmanager
+def _no_stream_switches() -> Iterator[None]:
+    """While a body is traced on this thread, switching or joining CUDA streams raises :class:`Declined`: a trace
+    records no stream, so the inlined ops would all run on one stream, without the overlap the body asked for (the
+    loss's weight-gradient side stream). Other threads switch streams as ever."""
+    import threading
+
+    tracing_thread = threading.get_ident()
+    patched = [(torch.cuda, "set_stream"), (torch.cuda.Stream, "wait_stream"), (torch.cuda.Stream, "wait_event")]
+    originals = [getattr(owner, name) for owner, name in patched]
+
+    def refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == tracing_thread:
+                raise Declined(f"its body calls torch.cuda.{name}: a trace keeps no CUDA stream")
+            return original(*args, **kwargs)
+
+        return call
+
+    for (owner, name), original in zip(patched, originals, strict=True):
+        setattr(owner, name, refusing(name if owner is torch.cuda else f"Stream.{name}", original))
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(patched, originals, strict=True):
+            setattr(owner, name, original)
+
+
 def _autocast_off() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     for device in ("cuda", "cpu"):
@@ -135,7 +164,14 @@ def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: A
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast's "CUDA is not available" where there is no GPU (CPU tests)
-        with fake_mode, tracing_kernels(), _no_direct_launches(), torch.no_grad(), _autocast_off():
+        with (
+            fake_mode,
+            tracing_kernels(),
+            _no_direct_launches(),
+            _no_stream_switches(),
+            torch.no_grad(),
+            _autocast_off(),
+        ):
             traced = make_fx(torch.func.functionalize(body), decomposition_table=decompositions, tracing_mode="real")
             return traced(*[leaves[i] for i in where])
 
