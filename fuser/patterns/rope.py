@@ -298,11 +298,14 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
     cos_width = rotary_dim // 2 if form.half_width_cos else rotary_dim
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
-        if not 1 <= t.dim() <= xt.dim() or t.shape[-1] != cos_width:
+        if t.dim() > xt.dim():
+            # M-RoPE's cos/sin [3, B, T, D] used as they are, one position axis per section not picked
             raise Decline(
-                f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (last dim, and no "
-                f"more dims than q/k's {xt.dim()})"
+                f"{name} of shape {tuple(t.shape)} has more dims than q/k's {tuple(xt.shape)}: eager broadcasts q/k "
+                f"over the extra dims, several rotations of q/k rather than one"
             )
+        if t.dim() == 0 or t.shape[-1] != cos_width:
+            raise Decline(f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (last dim)")
         if t.dtype not in FLOAT_DTYPES:
             raise Decline(f"{name} is {t.dtype}: the fused op reads {name} of {_dtype_names()}")
         if t.requires_grad:
