@@ -307,3 +307,83 @@ def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16) -> torch
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
     return LlamaForCausalLM(config).to(dtype)
+
+
+# Vision-language models for the RoPE tier: the text decoder's M-RoPE (cos/sin of the (t, h, w) positions,
+# recomposed by sections) and the vision tower's 2-D rotary embedding (the (h, w) positions). Config class, text
+# config fields, vision config fields.
+_TEXT_VL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=N_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
+_VISION_VL = dict(depth=N_LAYERS, num_heads=2, patch_size=2, temporal_patch_size=2, in_channels=3, spatial_merge_size=2)
+
+
+def _mrope(section: list[int], **extra) -> dict:
+    """M-RoPE rotary parameters: ``section`` splits the head_dim/2 frequencies among the t, h and w positions."""
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section, **extra}}
+
+
+VL_ARCHS = {
+    "qwen2_vl": ("Qwen2VLConfig", _mrope([2, 3, 3]), {"embed_dim": 32, "hidden_size": 64}),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        _mrope([2, 3, 3]),
+        {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 64, "window_size": 8},
+    ),
+    # interleaved M-RoPE (h and w on every third frequency)
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        {"head_dim": 16, **_mrope([4, 2, 2], mrope_interleaved=True)},
+        {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 64, "num_position_embeddings": 64},
+    ),
+}
+# the image of the vision tests: one frame of 4 × 6 patches (t, h, w), 3 channels of 2 × 2 × 2 pixels per patch
+VISION_GRID = (1, 4, 6)
+
+
+def build_vl(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight ``<arch>ForConditionalGeneration`` (text decoder and vision tower of ``N_LAYERS`` each),
+    sdpa attention, dropout off."""
+    cls_name, text, vision = VL_ARCHS[arch]
+    config = getattr(transformers, cls_name)(
+        text_config={**_TEXT_VL, **text},
+        vision_config={**_VISION_VL, **vision},
+        image_token_id=3,
+        video_token_id=4,
+        vision_start_token_id=5,
+    )
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForImageTextToText.from_config(config).eval()
+
+
+def mrope_batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Text ids and labels with 3-D M-RoPE position ids [3, B, T] that differ per axis, as an image's grid gives
+    them (text-only positions would be the same on all three, hiding a wrong section)."""
+    data = batch(seq, bsz, seed)
+    t = torch.arange(seq)
+    data["position_ids"] = torch.stack([t, t // 2, t % 4 + 3])[:, None, :].expand(3, bsz, seq).contiguous()
+    return data
+
+
+def vision_inputs(seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Pixel patches [t·h·w, 3·2·2·2] of one image of ``VISION_GRID`` and its ``grid_thw``."""
+    g = torch.Generator().manual_seed(seed)
+    t, h, w = VISION_GRID
+    return torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g), {"grid_thw": torch.tensor([VISION_GRID])}
+
+
+def vision_loss(tower: torch.nn.Module, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """A scalar of every output of the tower (the merged tokens and the last hidden states), weighted so that no
+    gradient is a plain sum."""
+    out = tower(pixels, **kwargs)
+    g = torch.Generator().manual_seed(2)
+    return sum((y * torch.randn(y.shape, generator=g)).sum() for y in (out.pooler_output, out.last_hidden_state))
