@@ -39,6 +39,8 @@ pair's two channels share an angle, so any section layout is computed exactly):
     GLM-4V, ...)      [1, H, T, D] view, reads q in its own dtype (the upcast is exact, and the op computes in
                       fp32) and rounds once to the dtype cast back to, as eager does
     Pixtral vision    the Llama form with cos/sin [1, T, D] (unsqueezed at dim 0) broadcast over [B, H, T, D]
+    Inkling-2 vision  the Qwen2-VL vision form with the interleaved rotation written through the pairs' dim:
+                      x1, x2 = x.view(..., -1, 2).unbind(-1); stack((-x2, x1), -1).flatten(-2)
 
 Any form may end in an explicit ``.to(dtype)`` of its result: the op rounds its fp32 result once to that dtype
 (eager rounds to the promoted dtype first, where that is narrower, and the op is then the more accurate).
@@ -81,6 +83,13 @@ def _rotate_interleaved(x):
         "stack", Op("neg", Op("slice_last", x, 1, S("r_odd_end"), 2)), Op("slice_last", x, 0, S("r_even_end"), 2), -1
     )
     return Op("flatten", pairs, -2, -1)
+
+
+def _rotate_pairwise(x):
+    """Inkling-2's vision tower (SAM-3's lineage): ``x1, x2 = x.view(..., -1, 2).unbind(-1)``,
+    ``stack((-x2, x1), -1).flatten(-2)``, the interleaved rotation through the pairs' own dim."""
+    pairs = Op("unbind", Op("split_pairs", x), -1)
+    return Op("flatten", Op("stack", Op("neg", Op("getitem", pairs, 1)), Op("getitem", pairs, 0), -1), -2, -1)
 
 
 def _rope(x, rotate):
@@ -140,6 +149,7 @@ VARIANTS = [
     Variant("half", _cast_back(_rope(V("x"), _rotate_half)), RopeForm("half")),
     Variant("half, sign flipped", _cast_back(_rope(V("x"), _rotate_half_flipped)), RopeForm("half", negated_sin=True)),
     Variant("interleaved", _cast_back(_rope(V("x"), _rotate_interleaved)), RopeForm("interleaved")),
+    Variant("interleaved, unbound pairs", _cast_back(_rope(V("x"), _rotate_pairwise)), RopeForm("interleaved")),
     Variant("pairs to halves", _cast_back(_pairs_to_halves()), RopeForm("pairs_to_halves", half_width_cos=True)),
     # GPT-OSS: rotate_half's rotation on chunk()'s halves, cos/sin of width R/2
     Variant("halves, chunked", _cast_back(_chunked_halves()), RopeForm("half", half_width_cos=True)),

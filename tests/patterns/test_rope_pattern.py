@@ -594,6 +594,23 @@ def vision_partial(qkv, cos, sin):
     return q_rot, k_rot
 
 
+def rotate_pairwise(x):  # Inkling-2, SAM-3: the interleaved rotation through the pairs' own dim
+    x1, x2 = x.view(*x.shape[:-1], -1, 2).unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(start_dim=-2)
+
+
+def inkling2_vision(qkv, cos, sin):
+    """Inkling-2's vision attention: Qwen2-VL's form with interleaved pairs, cos/sin repeat-interleaved."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    orig_q_dtype, orig_k_dtype = q.dtype, k.dtype
+    q, k = q.float(), k.float()
+    cos = cos[:, : D // 2].repeat_interleave(2, dim=-1).unsqueeze(-2).float()
+    sin = sin[:, : D // 2].repeat_interleave(2, dim=-1).unsqueeze(-2).float()
+    q_embed = (q * cos) + (rotate_pairwise(q) * sin)
+    k_embed = (k * cos) + (rotate_pairwise(k) * sin)
+    return q_embed.to(orig_q_dtype), k_embed.to(orig_k_dtype)
+
+
 def pixtral_vision(q, k, cos, sin):
     """Pixtral's vision attention: cos/sin [T, D] of the (h, w) positions unsqueezed at dim 0, [1, T, D] against
     q/k [B, H, T, D]."""
@@ -611,7 +628,7 @@ def _vision_inputs(dtype=torch.float32):
     return qkv, emb.cos(), emb.sin()
 
 
-@pytest.mark.parametrize("fn", [qwen2_vl_vision, vision_partial], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [qwen2_vl_vision, vision_partial, inkling2_vision], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_vision_rotation_matches_as_one_op_and_is_as_close_to_fp64_as_eager(fn, dtype):
     """One op for q and k on their [1, H, T, D] views. Qwen2-VL's form: the op reads q/k in their own dtype (the
@@ -693,6 +710,13 @@ def vision_uneven_split(qkv, cos, sin):
     return (q * cos) + (rot * sin), k
 
 
+def vision_pairwise_unrotated(qkv, cos, sin):
+    """``stack((x2, x1))``: the pairs swapped without the sign, a reflection rather than a rotation."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    x1, x2 = q.view(*q.shape[:-1], -1, 2).unbind(dim=-1)
+    return (q * cos.unsqueeze(-2)) + (torch.stack((x2, x1), dim=-1).flatten(start_dim=-2) * sin.unsqueeze(-2)), k
+
+
 def vision_rounded_inside(qkv, cos, sin):
     """One product rounded to bf16 before the sum: a rounding inside the rotation that the op does not make."""
     q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
@@ -706,6 +730,7 @@ def vision_rounded_inside(qkv, cos, sin):
         (mrope_sections_not_selected, _mrope_inputs, "has more dims than q/k's (2, 4, 5, 16): eager broadcasts q/k"),
         (vision_cos_per_head, _vision_inputs, "cos/sin vary over heads"),
         (vision_uneven_split, _vision_inputs, "rotate_half splits at 4:16, not at the halves of 16"),
+        (vision_pairwise_unrotated, _vision_inputs, None),
         (vision_rounded_inside, _vision_inputs, None),
     ],
     ids=lambda v: v.__name__ if callable(v) else "",
