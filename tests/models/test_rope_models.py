@@ -10,15 +10,16 @@ import fuser
 from tests.models.tiny import (
     N_LAYERS,
     ROPE_ARCHS,
+    VISION_TOWERS,
     VL_ARCHS,
     assert_training_step_equals_eager,
     batch,
     build_rope_arch,
+    build_vision_tower,
     build_vl,
     grads,
     mrope_batch,
     rel,
-    vision_inputs,
     vision_loss,
     with_lora,
 )
@@ -62,24 +63,23 @@ def test_vl_text_decoder_fp32_training_step_equals_eager(arch):
     assert fuser.backend(STRICT).counts["rope"] == N_LAYERS
 
 
-@pytest.mark.parametrize("arch", list(VL_ARCHS))
+@pytest.mark.parametrize("arch", VISION_TOWERS)
 def test_vision_tower_counts_one_rope_per_block(arch):
-    """Each block's attention breaks the graph after its rotation (``cu_seqlens.tolist()``), so the blocks' graphs
-    are one compiled graph run once per block: a rope match in it, run ``N_LAYERS`` times."""
-    pixels, kwargs = vision_inputs()
-    report = fuser.explain(build_vl(arch).model.visual, pixels, **kwargs)
+    """The blocks of a tower whose attention breaks the graph after its rotation (Qwen's ``cu_seqlens.tolist()``)
+    are one compiled graph run once per block: the rotations the forward runs are counted, one per block."""
+    tower, args, kwargs = build_vision_tower(arch)
+    report = fuser.explain(tower, *args, **kwargs)
     assert report.counts.get("rope", 0) >= 1 and report.executed.get("rope", 0) == N_LAYERS, str(report)
     assert not [nm for nm in report.near_misses if nm.pattern == "rope"], str(report)
 
 
-@pytest.mark.parametrize("arch", list(VL_ARCHS))
+@pytest.mark.parametrize("arch", VISION_TOWERS)
 def test_vision_tower_fp32_training_step_equals_eager(arch):
-    tower = build_vl(arch).model.visual
+    tower, args, kwargs = build_vision_tower(arch)
     reference = copy.deepcopy(tower)
-    pixels, kwargs = vision_inputs()
-    loss_ref = vision_loss(reference, pixels, dict(kwargs))
+    loss_ref = vision_loss(reference, args, kwargs)
     loss_ref.backward()
-    loss = vision_loss(fuser.optimize(tower, STRICT), pixels, dict(kwargs))
+    loss = vision_loss(fuser.optimize(tower, STRICT), args, kwargs)
     loss.backward()
     assert fuser.backend(STRICT).counts.get("rope", 0) >= 1
     assert rel(loss, loss_ref) <= 1e-5

@@ -374,16 +374,44 @@ def mrope_batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.T
     return data
 
 
-def vision_inputs(seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Pixel patches [t·h·w, 3·2·2·2] of one image of ``VISION_GRID`` and its ``grid_thw``."""
+# vision towers with a 2-D rotary embedding, beside those of VL_ARCHS: built alone from their vision configs
+VISION_TOWERS = [*VL_ARCHS, "pixtral", "inkling2"]
+
+
+def build_vision_tower(arch: str, seed: int = 1) -> tuple[torch.nn.Module, tuple, dict]:
+    """A tiny vision tower of ``N_LAYERS`` blocks (dropout off, sdpa attention) and its inputs, (tower, args,
+    kwargs): one image of ``VISION_GRID``'s 4 × 6 patches (Qwen's lineage, Inkling-2: merged 2 × 2 into 2 × 3
+    language-model tokens), or a 3-channel 8 × 12 image of 2 × 2 patches (Pixtral)."""
     g = torch.Generator().manual_seed(seed)
     t, h, w = VISION_GRID
-    return torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g), {"grid_thw": torch.tensor([VISION_GRID])}
+    if arch in VL_ARCHS:
+        tower = build_vl(arch).model.visual
+        return tower, (torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g),), {"grid_thw": torch.tensor([VISION_GRID])}
+    models = transformers.models
+    if arch == "pixtral":
+        config = transformers.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS, num_attention_heads=2, head_dim=16,
+            image_size=16, patch_size=2,
+        )  # fmt: skip
+        cls = models.pixtral.modeling_pixtral.PixtralVisionModel
+        args, kwargs = (torch.randn(1, 3, 2 * h, 2 * w, generator=g),), {"image_sizes": torch.tensor([[2 * h, 2 * w]])}
+    else:
+        config = models.inkling2.configuration_inkling2.Inkling2VisionConfig(
+            hidden_size=32, num_hidden_layers=N_LAYERS, num_attention_heads=2, patch_size=2, posemb_grid_size=4,
+            projection_hidden_dim=32, text_hidden_size=32,
+        )  # fmt: skip
+        cls = models.inkling2.modeling_inkling2.Inkling2VisionModel
+        pixels = torch.rand(h * w // 4, 4, 4, 3, generator=g) * 2 - 1
+        args, kwargs = (pixels,), {"image_grid_thw": torch.tensor([[t, h // 2, w // 2]])}
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(config).eval(), args, kwargs
 
 
-def vision_loss(tower: torch.nn.Module, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """A scalar of every output of the tower (the merged tokens and the last hidden states), weighted so that no
-    gradient is a plain sum."""
-    out = tower(pixels, **kwargs)
+def vision_loss(tower: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A scalar of every output of the tower (its merged or pooled tokens where it has them, and the last hidden
+    states), weighted so that no gradient is a plain sum."""
+    out = tower(*args, **dict(kwargs))
     g = torch.Generator().manual_seed(2)
-    return sum((y * torch.randn(y.shape, generator=g)).sum() for y in (out.pooler_output, out.last_hidden_state))
+    outputs = [y for y in (out.get("pooler_output"), out.last_hidden_state) if y is not None]
+    return sum((y * torch.randn(y.shape, generator=g)).sum() for y in outputs)
