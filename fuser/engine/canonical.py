@@ -40,7 +40,7 @@ def _spellings(**names: tuple[Any, ...]) -> dict[Any, str]:
 
 
 # torch functions whose own name is the canonical one, and only spelling
-_TORCH_NAMED = ("rsqrt", "sqrt", "square", "mean", "sum", "chunk", "stack", "flatten", "reshape")
+_TORCH_NAMED = ("rsqrt", "sqrt", "square", "mean", "sum", "chunk", "unbind", "stack", "flatten", "reshape")
 _TORCH_NAMED += ("view_as_complex", "view_as_real")
 
 _FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
@@ -89,6 +89,7 @@ _METHODS = {
     "relu": "relu",
     "tanh": "tanh",
     "chunk": "chunk",
+    "unbind": "unbind",
     "flatten": "flatten",
     "reshape": "reshape",
     "view": "reshape",
@@ -173,13 +174,13 @@ def _variance(node: Node) -> Canon | None:
 
 
 def _structural(node: Node, op: str) -> Canon | None:
-    """Activations, ``chunk`` and ``getitem``.
+    """Activations, ``chunk``, ``unbind`` and ``getitem``.
 
-    ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` with ``dim`` negative. ``getitem`` becomes
-    ``getitem(t, i)`` when ``t`` returns a tuple (chunk or split), ``unsqueeze`` for an index that only adds one
-    ``None`` axis (``f[:, :, None, :]``), ``slice_last`` for a last-dim slice, and ``whole(t)`` for an index that
-    selects all of ``t`` whatever its sizes (``h[:, -0:, :]``, transformers' ``logits_to_keep=0`` slice); other
-    tensor indexing is nothing.
+    ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` and ``unbind(x, dim)`` with ``dim`` negative.
+    ``getitem`` becomes ``getitem(t, i)`` when ``t`` returns a tuple (chunk, unbind or split), ``unsqueeze`` for an
+    index that only adds one ``None`` axis (``f[:, :, None, :]``), ``slice_last`` for a last-dim slice, and
+    ``whole(t)`` for an index that selects all of ``t`` whatever its sizes (``h[:, -0:, :]``, transformers'
+    ``logits_to_keep=0`` slice); other tensor indexing is nothing.
     """
     args, kwargs = list(node.args), dict(node.kwargs)
     if op == "silu":
@@ -200,6 +201,12 @@ def _structural(node: Node, op: str) -> Canon | None:
             return None
         dims = _normalise_dims(bound.get("dim", 0), t.dim())
         return Canon("chunk", (bound["input"], bound["chunks"], dims[0] if dims else None))
+    if op == "unbind":
+        bound = {"dim": 0, **dict(zip(["input", "dim"], args, strict=False)), **kwargs}
+        t = tensor_meta(bound.get("input"))
+        if t is None or set(bound) - {"input", "dim"} or not isinstance(bound["dim"], int):
+            return None
+        return Canon("unbind", (bound["input"], _negative_dim(bound["dim"], t.dim())))
     # getitem
     if len(args) != 2 or kwargs or not isinstance(args[0], Node):
         return None
@@ -444,7 +451,7 @@ def canonical(node: Any) -> Canon | None:
         return _reduction(node, op)
     if op == "var":
         return _variance(node)
-    if op in ("silu", "gelu", "chunk", "getitem"):
+    if op in ("silu", "gelu", "chunk", "unbind", "getitem"):
         return _structural(node, op)
     if op in ("cat", "stack", "flatten"):
         return _joining(node, op)

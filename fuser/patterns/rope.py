@@ -26,6 +26,24 @@ partner does not share cos/sin is rotated by the same op alone.
     NanoChat          x * cos + cat(x2, -x1) * sin: rotate_half with the sign on the other half, which is
                       -rotate_half(x); that is x * cos + rotate_half(x) * (-sin), exactly (negation is exact, and
                       (-a)(-b) = ab), so the op gets -sin: a rotation the other way
+
+Multimodal and 2-D rotary embeddings are these same forms; what differs is how cos/sin are built, which is
+position-only data the rotation reads as it is (the op reads cos/sin at each output channel, never assuming a
+pair's two channels share an angle, so any section layout is computed exactly):
+
+    Qwen2-VL text     M-RoPE: cos/sin of the (t, h, w) positions, split into sections along the channels and
+    (2.5-VL, 3-VL)    re-concatenated (Qwen3-VL: interleaved), in the rotary embedding or before the rotation;
+                      the rotation is the Llama form on [B|1, 1, T, D] cos/sin
+    Qwen2-VL vision   (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype) on q [T, H, D] (all tokens of
+    (2.5-VL, 3-VL,    all images, no batch dim), cos/sin [T, 1, D] from the (h, w) positions: the op runs on the
+    GLM-4V, ...)      [1, H, T, D] view, reads q in its own dtype (the upcast is exact, and the op computes in
+                      fp32) and rounds once to the dtype cast back to, as eager does
+    Pixtral vision    the Llama form with cos/sin [1, T, D] (unsqueezed at dim 0) broadcast over [B, H, T, D]
+    Inkling-2 vision  the Qwen2-VL vision form with the interleaved rotation written through the pairs' dim:
+                      x1, x2 = x.view(..., -1, 2).unbind(-1); stack((-x2, x1), -1).flatten(-2)
+
+Any form may end in an explicit ``.to(dtype)`` of its result: the op rounds its fp32 result once to that dtype
+(eager rounds to the promoted dtype first, where that is narrower, and the op is then the more accurate).
 """
 
 from __future__ import annotations
@@ -39,7 +57,8 @@ import torch
 import torch.fx
 
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
-from fuser.engine.canonical import module_path, strip_exact_upcast, tensor_meta
+from fuser._compat import statically_same_shape
+from fuser.engine.canonical import canonical, module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, Decline, EmptyLike, Pattern, Replacement, Variant
 from fuser.patterns.op_casts import OUTPUT_CASTS_PASS, ROPE_GRAD_UPCASTS_PASS
@@ -64,6 +83,13 @@ def _rotate_interleaved(x):
         "stack", Op("neg", Op("slice_last", x, 1, S("r_odd_end"), 2)), Op("slice_last", x, 0, S("r_even_end"), 2), -1
     )
     return Op("flatten", pairs, -2, -1)
+
+
+def _rotate_pairwise(x):
+    """Inkling-2's vision tower (SAM-3's lineage): ``x1, x2 = x.view(..., -1, 2).unbind(-1)``,
+    ``stack((-x2, x1), -1).flatten(-2)``, the interleaved rotation through the pairs' own dim."""
+    pairs = Op("unbind", Op("split_pairs", x), -1)
+    return Op("flatten", Op("stack", Op("neg", Op("getitem", pairs, 1)), Op("getitem", pairs, 0), -1), -2, -1)
 
 
 def _rope(x, rotate):
@@ -111,15 +137,22 @@ class RopeForm:
     half_width_cos: bool = False
 
 
+def _cast_back(tree):
+    """``tree``, optionally followed by an explicit ``.to(dtype)`` of its result (Qwen2-VL's vision blocks cast the
+    fp32 rotation back to q's dtype); binds ``out_cast``."""
+    return OptCast(tree, "out_cast")
+
+
 VARIANTS = [
-    Variant("half, partial", _partial(_rotate_half), RopeForm("half")),
-    Variant("interleaved, partial", _partial(_rotate_interleaved), RopeForm("interleaved")),
-    Variant("half", _rope(V("x"), _rotate_half), RopeForm("half")),
-    Variant("half, sign flipped", _rope(V("x"), _rotate_half_flipped), RopeForm("half", negated_sin=True)),
-    Variant("interleaved", _rope(V("x"), _rotate_interleaved), RopeForm("interleaved")),
-    Variant("pairs to halves", _pairs_to_halves(), RopeForm("pairs_to_halves", half_width_cos=True)),
+    Variant("half, partial", _cast_back(_partial(_rotate_half)), RopeForm("half")),
+    Variant("interleaved, partial", _cast_back(_partial(_rotate_interleaved)), RopeForm("interleaved")),
+    Variant("half", _cast_back(_rope(V("x"), _rotate_half)), RopeForm("half")),
+    Variant("half, sign flipped", _cast_back(_rope(V("x"), _rotate_half_flipped)), RopeForm("half", negated_sin=True)),
+    Variant("interleaved", _cast_back(_rope(V("x"), _rotate_interleaved)), RopeForm("interleaved")),
+    Variant("interleaved, unbound pairs", _cast_back(_rope(V("x"), _rotate_pairwise)), RopeForm("interleaved")),
+    Variant("pairs to halves", _cast_back(_pairs_to_halves()), RopeForm("pairs_to_halves", half_width_cos=True)),
     # GPT-OSS: rotate_half's rotation on chunk()'s halves, cos/sin of width R/2
-    Variant("halves, chunked", _chunked_halves(), RopeForm("half", half_width_cos=True)),
+    Variant("halves, chunked", _cast_back(_chunked_halves()), RopeForm("half", half_width_cos=True)),
     Variant("complex", _complex(Op("unsqueeze", V("freqs"), -2)), RopeForm("interleaved", complex_freqs=True)),
     # DeepSeek-V2: freqs_cis.unsqueeze(1) once, before q's and k's products
     Variant("complex, shaped", _complex(V("freqs")), RopeForm("interleaved", complex_freqs=True, freqs_shaped=True)),
@@ -160,6 +193,38 @@ class Transposed12(ArgExpr):
 def transposed_back(graph: torch.fx.Graph, output: Node) -> Node:
     """The op's ``[B, H, T, D]`` output as the ``[B, T, H, D]`` the block returns (no copy)."""
     return graph.call_method("transpose", (output, 1, 2))
+
+
+@dataclass(frozen=True)
+class Unsqueezed(ArgExpr):
+    """``source`` with ``dims`` size-1 dims in front: a tensor of fewer than 4 dims, which eager broadcasts from the
+    right (q/k ``[T, H, D]`` of a vision tower, Pixtral's cos/sin ``[1, T, R]``), as the 4-D view the op reads
+    (no copy)."""
+
+    source: Node
+    dims: int
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        out = self.source
+        for _ in range(self.dims):
+            out = graph.call_method("unsqueeze", (out, 0))
+        return out
+
+
+@dataclass(frozen=True)
+class ViewedBack:
+    """The op's 4-D output as the block returned it: ``[B, H, T, D]`` transposed back to ``[B, T, H, D]``
+    (``transpose``), then the ``lead`` size-1 dims that :class:`Unsqueezed` put in front of q/k dropped."""
+
+    transpose: bool
+    lead: int
+
+    def __call__(self, graph: torch.fx.Graph, output: Node) -> Node:
+        if self.transpose:
+            output = transposed_back(graph, output)
+        for _ in range(self.lead):
+            output = graph.call_method("squeeze", (output, 0))
+        return output
 
 
 @dataclass(frozen=True)
@@ -222,8 +287,12 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         return check_complex_rope(found, form)
     b = found.bindings
     xt = tensor_meta(b["x"])
-    if xt.dim() != 4:
-        raise Decline(f"expects a 4-D [batch, heads, seq, head_dim] tensor, got rank {xt.dim()}")
+    # [B, H, T, D] / [B, T, H, D] (text decoders), or [T, H, D]: a vision tower's tokens of all its images, no batch
+    if xt.dim() not in (3, 4):
+        raise Decline(
+            f"expects q/k of 4 dims ([batch, heads, seq, head_dim] or [batch, seq, heads, head_dim]) or of 3 "
+            f"([seq, heads, head_dim], a vision tower's), got shape {tuple(xt.shape)}"
+        )
     head_dim = xt.shape[-1]
     if not isinstance(head_dim, int):
         raise Decline("head_dim is symbolic")
@@ -239,23 +308,38 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
     cos_width = rotary_dim // 2 if form.half_width_cos else rotary_dim
     for name in ("cos", "sin"):
         t = tensor_meta(b[name])
-        if t.dim() != 4 or t.shape[-1] != cos_width:
+        if t.dim() > xt.dim():
+            # M-RoPE's cos/sin [3, B, T, D] used as they are, one position axis per section not picked
             raise Decline(
-                f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (4-D, last dim)"
+                f"{name} of shape {tuple(t.shape)} has more dims than q/k's {tuple(xt.shape)}: eager broadcasts q/k "
+                f"over the extra dims, several rotations of q/k rather than one"
             )
+        if t.dim() == 0 or t.shape[-1] != cos_width:
+            raise Decline(f"{name} of shape {tuple(t.shape)} does not match the rotary dim {rotary_dim} (last dim)")
         if t.dtype not in FLOAT_DTYPES:
             raise Decline(f"{name} is {t.dtype}: the fused op reads {name} of {_dtype_names()}")
         if t.requires_grad:
             raise Decline(f"{name} requires grad (trained rotary frequencies): the fused op computes none for it")
-    # [B, H, T, D] with cos/sin [B|1, 1, T, R] (unsqueeze_dim=1, most models), or [B, T, H, D] with cos/sin
-    # [B|1, T, 1, R] (unsqueeze_dim=2: GPT-J, CodeGen, the DeepSeek-V3.2 indexer): the op runs on the
-    # [B, H, T, D] view of the latter and its output is viewed back
-    heads_second = _broadcast_over(b["cos"], 1) and _broadcast_over(b["sin"], 1)
-    heads_third = not heads_second and _broadcast_over(b["cos"], 2) and _broadcast_over(b["sin"], 2)
+    # eager broadcasts cos/sin against q/k from the right, and the op reads 4-D views of all three, size-1 dims put
+    # in front: [B, H, T, D] with cos/sin [B|1, 1, T, R] (unsqueeze_dim=1, most models; Pixtral's [1, T, R]), or
+    # [B, T, H, D] with cos/sin [B|1, T, 1, R] (unsqueeze_dim=2: GPT-J, CodeGen, the DeepSeek-V3.2 indexer; a
+    # vision tower's [T, H, D] with [T, 1, R]): the op runs on the [B, H, T, D] view of the latter and its output
+    # is viewed back
+    cos_lead, sin_lead = (4 - tensor_meta(b[name]).dim() for name in ("cos", "sin"))
+    heads_second = _broadcast_over(b["cos"], 1, cos_lead) and _broadcast_over(b["sin"], 1, sin_lead)
+    heads_third = not heads_second and _broadcast_over(b["cos"], 2, cos_lead) and _broadcast_over(b["sin"], 2, sin_lead)
     if not (heads_second or heads_third):
         shapes = tuple(tensor_meta(b["cos"]).shape), tuple(tensor_meta(b["sin"]).shape)
         raise Decline(
-            f"cos/sin vary over heads (shapes {shapes[0]}, {shapes[1]}): expected [B|1, 1, T, R] or [B|1, T, 1, R]"
+            f"cos/sin vary over heads (shapes {shapes[0]}, {shapes[1]}): expected [B|1, 1, T, R] or [B|1, T, 1, R] "
+            "(or fewer leading dims)"
+        )
+    out = tensor_meta(found.root)
+    # the op writes q/k's shape: cos/sin that broadcast q/k to a larger result are not a rotation of q/k
+    if not statically_same_shape(out.shape, xt.shape):
+        raise Decline(
+            f"cos/sin of shape {tuple(tensor_meta(b['cos']).shape)} broadcast q/k of shape {tuple(xt.shape)} to a "
+            f"larger result {tuple(out.shape)}"
         )
     if xt.dtype not in FLOAT_DTYPES:
         raise Decline(f"input dtype {xt.dtype} is not one the fused op computes for ({_dtype_names()})")
@@ -264,32 +348,47 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
     # less accurate; any other result dtype means a cast the op does not reproduce
     cos_dtype, sin_dtype = tensor_meta(b["cos"]).dtype, tensor_meta(b["sin"]).dtype
     promoted = torch.promote_types(torch.promote_types(xt.dtype, cos_dtype), sin_dtype)
-    out = tensor_meta(found.root)
-    if out.dtype != promoted:
+    rotated = canonical(found.root).args[0] if b.get("out_cast") is not None else found.root
+    if tensor_meta(rotated).dtype != promoted:
         raise Decline(
-            f"result dtype {out.dtype} is not {promoted}, the promotion of the input's {xt.dtype} and cos/sin's "
-            f"{cos_dtype}/{sin_dtype}: a cast inside the rotation that the fused op does not reproduce"
+            f"result dtype {tensor_meta(rotated).dtype} is not {promoted}, the promotion of the input's {xt.dtype} "
+            f"and cos/sin's {cos_dtype}/{sin_dtype}: a cast inside the rotation that the fused op does not reproduce"
         )
+    # an explicit cast of the result (Qwen2-VL's vision blocks: back to q's dtype) is the op's one rounding: eager's
+    # result is fp32 there, or narrower and then rounded twice where the op rounds once
+    if out.dtype not in FLOAT_DTYPES:
+        raise Decline(f"result dtype {out.dtype} is not one the fused op writes ({_dtype_names()})")
     if form.half_width_cos:  # the op reads cos/sin per output channel: spread the per-pair values over both halves
         cos, sin = RepeatHalves(b["cos"]), RepeatHalves(b["sin"])
     else:
         cos, sin = b["cos"], b["sin"]
     if form.negated_sin:
         sin = Negated(sin)
-    x, adapter = b["x"], None
+    if cos_lead:
+        cos = Unsqueezed(cos, cos_lead)
+    if sin_lead:
+        sin = Unsqueezed(sin, sin_lead)
+    # an exact upcast of q/k (Qwen2-VL's vision q.float()) is read as q itself: the op widens each value as it
+    # loads it, computes in fp32 as eager did, and its gradient comes back in q's dtype, as the upcast's does
+    x = strip_exact_upcast(b["x"])
+    x_lead = 4 - xt.dim()
+    if x_lead:
+        x = Unsqueezed(x, x_lead)
     if heads_third:
-        x, cos, sin, adapter = Transposed12(x), Transposed12(cos), Transposed12(sin), transposed_back
+        x, cos, sin = Transposed12(x), Transposed12(cos), Transposed12(sin)
+    adapter = ViewedBack(heads_third, x_lead) if heads_third or x_lead else None
     return Replacement(
         torch.ops.fuser.rope.default,
-        (x, EmptyLike(b["x"]), cos, sin, rotary_dim, form.layout, out.dtype),
+        (x, EmptyLike(strip_exact_upcast(b["x"])), cos, sin, rotary_dim, form.layout, out.dtype),
         output_index=0,
         output_adapter=adapter,
     )
 
 
-def _broadcast_over(node: Node, dim: int) -> bool:
-    """Whether ``node``'s tensor has size 1 at ``dim`` (broadcast over the heads there)."""
-    shape = tensor_meta(node).shape
+def _broadcast_over(node: Node, dim: int, lead: int = 0) -> bool:
+    """Whether ``node``'s tensor, viewed 4-D with ``lead`` size-1 dims put in front, has size 1 at ``dim``
+    (broadcast over the heads there)."""
+    shape = (1,) * lead + tuple(tensor_meta(node).shape)
     return len(shape) == 4 and isinstance(shape[dim], int) and shape[dim] == 1
 
 
@@ -331,9 +430,17 @@ def _pairable(a, b, graph_order) -> bool:
     if qa[2:] != qb[2:] or module_path(a.found.root) != module_path(b.found.root):
         return False
     first_root = min(graph_order[a.found.root], graph_order[b.found.root])
-    inputs = [x.source if isinstance(x, ArgExpr) else x for x in (qa[0], qb[0], qa[2], qa[3])]
+    inputs = [_graph_node(x) for x in (qa[0], qb[0], qa[2], qa[3])]
     inputs = [x for x in inputs if isinstance(x, torch.fx.Node)]
     return all(graph_order[x] < first_root for x in inputs)
+
+
+def _graph_node(arg):
+    """The graph node an argument is built from (through nested :class:`ArgExpr`: a transposed view of an
+    unsqueezed q), or the argument itself."""
+    while isinstance(arg, ArgExpr):
+        arg = arg.source
+    return arg
 
 
 ROPE = Pattern(

@@ -307,3 +307,111 @@ def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16) -> torch
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
     return LlamaForCausalLM(config).to(dtype)
+
+
+# Vision-language models for the RoPE tier: the text decoder's M-RoPE (cos/sin of the (t, h, w) positions,
+# recomposed by sections) and the vision tower's 2-D rotary embedding (the (h, w) positions). Config class, text
+# config fields, vision config fields.
+_TEXT_VL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=N_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
+_VISION_VL = dict(depth=N_LAYERS, num_heads=2, patch_size=2, temporal_patch_size=2, in_channels=3, spatial_merge_size=2)
+
+
+def _mrope(section: list[int], **extra) -> dict:
+    """M-RoPE rotary parameters: ``section`` splits the head_dim/2 frequencies among the t, h and w positions."""
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section, **extra}}
+
+
+VL_ARCHS = {
+    "qwen2_vl": ("Qwen2VLConfig", _mrope([2, 3, 3]), {"embed_dim": 32, "hidden_size": 64}),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        _mrope([2, 3, 3]),
+        {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 64, "window_size": 8},
+    ),
+    # interleaved M-RoPE (h and w on every third frequency)
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        {"head_dim": 16, **_mrope([4, 2, 2], mrope_interleaved=True)},
+        {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 64, "num_position_embeddings": 64},
+    ),
+}
+# the image of the vision tests: one frame of 4 × 6 patches (t, h, w), 3 channels of 2 × 2 × 2 pixels per patch
+VISION_GRID = (1, 4, 6)
+
+
+def build_vl(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight ``<arch>ForConditionalGeneration`` (text decoder and vision tower of ``N_LAYERS`` each),
+    sdpa attention, dropout off."""
+    cls_name, text, vision = VL_ARCHS[arch]
+    config = getattr(transformers, cls_name)(
+        text_config={**_TEXT_VL, **text},
+        vision_config={**_VISION_VL, **vision},
+        image_token_id=3,
+        video_token_id=4,
+        vision_start_token_id=5,
+    )
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForImageTextToText.from_config(config).eval()
+
+
+def mrope_batch(seq: int = 16, bsz: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Text ids and labels with 3-D M-RoPE position ids [3, B, T] that differ per axis, as an image's grid gives
+    them (text-only positions would be the same on all three, hiding a wrong section)."""
+    data = batch(seq, bsz, seed)
+    t = torch.arange(seq)
+    data["position_ids"] = torch.stack([t, t // 2, t % 4 + 3])[:, None, :].expand(3, bsz, seq).contiguous()
+    return data
+
+
+# vision towers with a 2-D rotary embedding, beside those of VL_ARCHS: built alone from their vision configs
+VISION_TOWERS = [*VL_ARCHS, "pixtral", "inkling2"]
+
+
+def build_vision_tower(arch: str, seed: int = 1) -> tuple[torch.nn.Module, tuple, dict]:
+    """A tiny vision tower of ``N_LAYERS`` blocks (dropout off, sdpa attention) and its inputs, (tower, args,
+    kwargs): one image of ``VISION_GRID``'s 4 × 6 patches (Qwen's lineage, Inkling-2: merged 2 × 2 into 2 × 3
+    language-model tokens), or a 3-channel 8 × 12 image of 2 × 2 patches (Pixtral)."""
+    g = torch.Generator().manual_seed(seed)
+    t, h, w = VISION_GRID
+    if arch in VL_ARCHS:
+        tower = build_vl(arch).model.visual
+        return tower, (torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g),), {"grid_thw": torch.tensor([VISION_GRID])}
+    models = transformers.models
+    if arch == "pixtral":
+        config = transformers.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS, num_attention_heads=2, head_dim=16,
+            image_size=16, patch_size=2,
+        )  # fmt: skip
+        cls = models.pixtral.modeling_pixtral.PixtralVisionModel
+        args, kwargs = (torch.randn(1, 3, 2 * h, 2 * w, generator=g),), {"image_sizes": torch.tensor([[2 * h, 2 * w]])}
+    else:
+        config = models.inkling2.configuration_inkling2.Inkling2VisionConfig(
+            hidden_size=32, num_hidden_layers=N_LAYERS, num_attention_heads=2, patch_size=2, posemb_grid_size=4,
+            projection_hidden_dim=32, text_hidden_size=32,
+        )  # fmt: skip
+        cls = models.inkling2.modeling_inkling2.Inkling2VisionModel
+        pixels = torch.rand(h * w // 4, 4, 4, 3, generator=g) * 2 - 1
+        args, kwargs = (pixels,), {"image_grid_thw": torch.tensor([[t, h // 2, w // 2]])}
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(config).eval(), args, kwargs
+
+
+def vision_loss(tower: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A scalar of every output of the tower (its merged or pooled tokens where it has them, and the last hidden
+    states), weighted so that no gradient is a plain sum."""
+    out = tower(*args, **dict(kwargs))
+    g = torch.Generator().manual_seed(2)
+    outputs = [y for y in (out.get("pooler_output"), out.last_hidden_state) if y is not None]
+    return sum((y * torch.randn(y.shape, generator=g)).sum() for y in outputs)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fuser
+from fuser.engine.canonical import canonical
 
 B, HQ, HK, T, D = 2, 4, 2, 5, 16
 
@@ -474,3 +475,273 @@ def test_gpu_heads_third_rotations_at_real_widths(fn, dtype):
     no further from fp64 than eager bf16."""
     torch.manual_seed(0)
     _check_heads_third(fn, dtype, (2, 2048, 32, 8, 128), "cuda", "inductor")
+
+
+# --- multimodal (M-RoPE) and 2-D rotary embeddings -----------------------------------------------------------
+# The rotation is the Llama form; what differs is how cos/sin are built from several position ids (t, h, w for
+# Qwen2-VL's text, h and w for the vision towers). That is position-only data the rotation reads as it is, so the
+# fused op must match with the cos/sin computation in the same graph, in front of it.
+
+MROPE_SECTION = (2, 3, 3)  # t, h, w sections of the D/2 = 8 frequencies (Qwen2-VL's [16, 24, 24] at D 128)
+
+
+def _mrope_inputs(dtype=torch.float32):
+    """q, k as Hugging Face hands them over; (t, h, w) positions [3, B, T] that differ per axis (an image's grid),
+    and the inverse frequencies [D/2]."""
+    q, k, _, _ = _inputs(dtype)
+    positions = torch.stack([torch.arange(T), torch.arange(T) // 2, torch.arange(T) % 3 + 1]).expand(B, 3, T)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    return q, k, positions.transpose(0, 1).contiguous(), inv_freq
+
+
+def qwen2_vl_mrope_in_attention(q, k, positions, inv_freq):
+    """transformers 4.x's Qwen2-VL: cos/sin [3, B, T, D] of the three position axes, split into sections (both halves)
+    and re-concatenated inside the attention's ``apply_multimodal_rotary_pos_emb``, then the Llama rotation."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    sections = list(MROPE_SECTION) * 2
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1).unsqueeze(1)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1).unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def qwen2_vl_mrope(q, k, positions, inv_freq):
+    """transformers 5.x's Qwen2-VL / Qwen2.5-VL: the rotary embedding recomposes the frequencies by sections, the
+    attention runs the Llama ``apply_rotary_pos_emb``."""
+    freqs = positions[..., None].float() * inv_freq
+    freqs = torch.cat([m[i % 3] for i, m in enumerate(freqs.split(list(MROPE_SECTION), dim=-1))], dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return llama(q, k, emb.cos(), emb.sin())
+
+
+def qwen3_vl_interleaved_mrope(q, k, positions, inv_freq):
+    """Qwen3-VL: the h and w frequencies written over every third of t's (``apply_interleaved_mrope``, in place)."""
+    freqs = positions[..., None].float() * inv_freq
+    freqs_thw = freqs[0]
+    for dim, offset in enumerate((1, 2), start=1):
+        length = MROPE_SECTION[dim] * 3
+        freqs_thw[..., offset:length:3] = freqs[dim, ..., offset:length:3]
+    emb = torch.cat((freqs_thw, freqs_thw), dim=-1)
+    return llama(q, k, emb.cos(), emb.sin())
+
+
+def mrope_halves_disagree(q, k, positions, inv_freq):
+    """Sections over the whole head dim, not repeated per half: channel i and its partner i + D/2 get the angles
+    of different axes. Not a rotation, but the fused op reads cos/sin at each output channel, so it computes
+    exactly what eager does: it fuses, and must equal eager."""
+    freqs = positions[..., None].float() * torch.cat((inv_freq, inv_freq))
+    freqs = torch.cat([m[i % 3] for i, m in enumerate(freqs.split([4, 6, 6], dim=-1))], dim=-1)
+    return llama(q, k, freqs.cos(), freqs.sin())
+
+
+MROPE = [qwen2_vl_mrope_in_attention, qwen2_vl_mrope, qwen3_vl_interleaved_mrope, mrope_halves_disagree]
+
+
+@pytest.mark.parametrize("fn", MROPE, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mrope_matches_as_one_op_and_is_as_close_to_fp64_as_eager(fn, dtype):
+    """Each form fuses q and k into one op with the section split and concat left in front of it, as eager runs
+    them; fp32 cos/sin rotate q/k of each dtype (the result fp32, eager's promotion)."""
+    inputs = _mrope_inputs(dtype)
+    report = fuser.explain(fn, *inputs)
+    assert report.counts == {"rope": 1} and not report.near_misses, str(report)
+    _assert_fused_as_close_to_fp64_as_eager(fn, inputs)
+
+
+def test_mrope_equals_a_float64_rotation_by_the_sectioned_angles():
+    """Qwen2-VL's M-RoPE, fused, against hand-built fp64 angles: channel c of the rotated half i < D/2 takes the
+    angle of axis t, h or w by the section i falls in (sections 2, 3, 3), forward and backward."""
+    q, k, positions, inv_freq = _mrope_inputs()
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(qwen2_vl_mrope, backend=fuser.backend(config))(q, k, positions, inv_freq)
+    assert fuser.backend(config).counts == {"rope": 1}
+    axis = torch.tensor([0] * 2 + [1] * 3 + [2] * 3)  # the position axis of each of the D/2 frequencies
+    angles = positions.double()[axis, :, :].permute(1, 2, 0) * inv_freq.double()  # [B, T, D/2]
+    cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+    h = D // 2
+    q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
+    ref = [x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin for x in (q64, k64)]
+    for o, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(o.double(), r, rtol=1e-6, atol=1e-6)
+    grads = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    torch.testing.assert_close(q.grad.double(), q64.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k.grad.double(), k64.grad, rtol=1e-6, atol=1e-6)
+
+
+def qwen2_vl_vision(qkv, cos, sin):
+    """Qwen2-VL's vision attention (and Qwen2.5-VL's, Qwen3-VL's, GLM-4V's, ...): q/k [T, H, D] of all tokens of all
+    images from one packed projection, rotated in fp32 by cos/sin [T, D] of the (h, w) positions, cast back."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    orig_q_dtype, orig_k_dtype = q.dtype, k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(orig_q_dtype), k_embed.to(orig_k_dtype)
+
+
+def vision_partial(qkv, cos, sin):
+    """MiniMax-M3-VL's vision attention: only the first R = cos.shape[-1] channels of [T, H, D] rotate."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = cos[:, None, : D // 2], sin[:, None, : D // 2]
+    r = cos.shape[-1]
+    q_rot = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+    k_rot = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+    return q_rot, k_rot
+
+
+def rotate_pairwise(x):  # Inkling-2, SAM-3: the interleaved rotation through the pairs' own dim
+    x1, x2 = x.view(*x.shape[:-1], -1, 2).unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(start_dim=-2)
+
+
+def inkling2_vision(qkv, cos, sin):
+    """Inkling-2's vision attention: Qwen2-VL's form with interleaved pairs, cos/sin repeat-interleaved."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    orig_q_dtype, orig_k_dtype = q.dtype, k.dtype
+    q, k = q.float(), k.float()
+    cos = cos[:, : D // 2].repeat_interleave(2, dim=-1).unsqueeze(-2).float()
+    sin = sin[:, : D // 2].repeat_interleave(2, dim=-1).unsqueeze(-2).float()
+    q_embed = (q * cos) + (rotate_pairwise(q) * sin)
+    k_embed = (k * cos) + (rotate_pairwise(k) * sin)
+    return q_embed.to(orig_q_dtype), k_embed.to(orig_k_dtype)
+
+
+def pixtral_vision(q, k, cos, sin):
+    """Pixtral's vision attention: cos/sin [T, D] of the (h, w) positions unsqueezed at dim 0, [1, T, D] against
+    q/k [B, H, T, D]."""
+    return llama(q, k, cos.unsqueeze(0).squeeze(1), sin.unsqueeze(0).squeeze(1))
+
+
+def _vision_inputs(dtype=torch.float32):
+    """A packed qkv projection [T, 3·H·D] in ``dtype``; cos/sin [T, D] in fp32 of 2-D (h, w) angles, each axis on
+    a quarter of the channels, both halves alike (Qwen2-VL's vision rotary embedding)."""
+    qkv = torch.randn(T, 3 * HQ * D, dtype=dtype)
+    h_pos, w_pos = torch.arange(T) // 2, torch.arange(T) % 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D // 2, 2, dtype=torch.float32) / (D // 2)))
+    freqs = torch.cat((h_pos[:, None] * inv_freq, w_pos[:, None] * inv_freq), dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return qkv, emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("fn", [qwen2_vl_vision, vision_partial, inkling2_vision], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_vision_rotation_matches_as_one_op_and_is_as_close_to_fp64_as_eager(fn, dtype):
+    """One op for q and k on their [1, H, T, D] views. Qwen2-VL's form: the op reads q/k in their own dtype (the
+    upcast is exact), computes in fp32 as eager does and rounds once to the dtype cast back to, so its results and
+    q/k's gradient equal eager's, in eager's dtypes."""
+    inputs = _vision_inputs(dtype)
+    report = fuser.explain(fn, *inputs)
+    assert report.counts == {"rope": 1} and not report.near_misses, str(report)
+    _assert_fused_as_close_to_fp64_as_eager(fn, inputs, n_grad=1)
+
+
+def test_vision_rotation_reads_q_without_its_upcast_and_writes_the_cast_back_dtype():
+    """The op takes bf16 q and k (not their fp32 copies) and writes bf16 (no cast after it): the one match covers
+    the casts back."""
+    report = fuser.explain(qwen2_vl_vision, *_vision_inputs(torch.bfloat16))
+    (match,) = report.matches
+    q, k = (_graph_node(a) for a in match.replacement.args[:2])
+    assert q.meta["example_value"].dtype == k.meta["example_value"].dtype == torch.bfloat16
+    assert match.replacement.args[6] is torch.bfloat16
+    assert {canonical(n).op for n in match.found.nodes if canonical(n) is not None} >= {"to"}
+
+
+def _graph_node(arg):
+    """The graph node a replacement argument is built from (through views the rewrite builds)."""
+    while not isinstance(arg, torch.fx.Node):
+        arg = arg.source
+    return arg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pixtral_cos_of_three_dims_matches_as_one_op_and_is_as_close_to_fp64_as_eager(dtype):
+    q, k, _, _ = _inputs(dtype)
+    _, cos, sin = _vision_inputs()
+    inputs = (q, k, cos.to(dtype), sin.to(dtype))
+    report = fuser.explain(pixtral_vision, *inputs)
+    assert report.counts == {"rope": 1} and not report.near_misses, str(report)
+    _assert_fused_as_close_to_fp64_as_eager(pixtral_vision, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_vision_rotation_through_the_kernel_on_the_interpreter(dtype, monkeypatch, triton_on_cpu):
+    """The Triton kernel on the views the vision form hands it: q/k [T, H, D] slices of a packed projection (token
+    stride 3·H·D), viewed [1, H, T, D], cos/sin [T, 1, D] viewed [1, 1, T, D] (the interpreter's bf16 arithmetic
+    is not trusted: fp32 and fp16)."""
+    import fuser.kernels.rope as rope_module
+
+    triton_on_cpu()
+    launched = []
+    real_launch = rope_module._launch
+    monkeypatch.setattr(rope_module, "_launch", lambda *a: launched.append(a[3]) or real_launch(*a))
+    _assert_fused_as_close_to_fp64_as_eager(qwen2_vl_vision, _vision_inputs(dtype), n_grad=1)
+    assert launched == [False, True]  # forward, then backward: no silent fall-back to the reference path
+
+
+# near-misses: forms the fused op does not compute, and must not take
+
+
+def mrope_sections_not_selected(q, k, positions, inv_freq):
+    """The three axes' cos/sin [3, B, T, D] used without picking one axis per section: eager broadcasts q/k to
+    [3, B, H, T, D], three rotations, not one."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().unsqueeze(2), emb.sin().unsqueeze(2)
+    return (q * cos) + (rotate_half(q) * sin), k
+
+
+def vision_cos_per_head(qkv, cos, sin):
+    """cos/sin [T, H, D] that differ per head."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = cos[:, None, :] * torch.arange(1, HQ + 1)[:, None], sin[:, None, :].expand(T, HQ, D)
+    return (q * cos) + (rotate_half(q) * sin), k
+
+
+def vision_uneven_split(qkv, cos, sin):
+    """A 2-D rotation that pairs channel i with i + D/4 in each half: not rotate_half's pairing."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rot = torch.cat((-q[..., D // 4 :], q[..., : D // 4]), dim=-1)
+    return (q * cos) + (rot * sin), k
+
+
+def vision_pairwise_unrotated(qkv, cos, sin):
+    """``stack((x2, x1))``: the pairs swapped without the sign, a reflection rather than a rotation."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    x1, x2 = q.view(*q.shape[:-1], -1, 2).unbind(dim=-1)
+    return (q * cos.unsqueeze(-2)) + (torch.stack((x2, x1), dim=-1).flatten(start_dim=-2) * sin.unsqueeze(-2)), k
+
+
+def vision_rounded_inside(qkv, cos, sin):
+    """One product rounded to bf16 before the sum: a rounding inside the rotation that the op does not make."""
+    q, k, _ = qkv.reshape(T, 3, HQ, -1).permute(1, 0, 2, 3).unbind(0)
+    q, cos, sin = q.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return ((q * cos).bfloat16() + rotate_half(q) * sin).bfloat16(), k
+
+
+@pytest.mark.parametrize(
+    "fn, inputs, reason",
+    [
+        (mrope_sections_not_selected, _mrope_inputs, "has more dims than q/k's (2, 4, 5, 16): eager broadcasts q/k"),
+        (vision_cos_per_head, _vision_inputs, "cos/sin vary over heads"),
+        (vision_uneven_split, _vision_inputs, "rotate_half splits at 4:16, not at the halves of 16"),
+        (vision_pairwise_unrotated, _vision_inputs, None),
+        (vision_rounded_inside, _vision_inputs, None),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else "",
+)
+def test_multimodal_and_vision_near_misses_decline(fn, inputs, reason):
+    args = inputs()
+    report = fuser.explain(fn, *args)
+    assert report.counts == {}, str(report)
+    if reason is not None:
+        assert any(reason in nm.reason for nm in report.near_misses), str(report)
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
+    out = torch.compile(fn, backend=fuser.backend(config))(*args)
+    for o, r in zip(out, fn(*args), strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
