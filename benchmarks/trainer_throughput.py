@@ -140,7 +140,11 @@ def versions() -> dict[str, str]:
     except OSError:
         commit = ""
     if commit:
-        found["fuser"] = f"commit {commit}"
+        # a copy of the working tree (the GPU machine's) can carry changes its git HEAD does not have
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "fuser"], cwd=Path(__file__).parent, capture_output=True, text=True
+        ).stdout.strip()
+        found["fuser"] = f"commit {commit}" + (" + changes to fuser/ not in it" if changed else "")
     return found
 
 
