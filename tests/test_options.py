@@ -18,16 +18,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fuser
 import fuser.dynamo_backend
 import fuser.kernels.upcast_linear as U
-from fuser.config import (
-    CausalAttentionConfig,
-    GatedMLPConfig,
-    LinearCrossEntropyConfig,
-    LoraSumConfig,
-    RmsNormLinearConfig,
-    UpcastLinearConfig,
-)
 from fuser.dynamo_backend import FuserBackend
 from fuser.kernels._triton import HAS_TRITON, interpreting, use_triton
+from fuser.patterns.causal_attention import CausalAttentionConfig
+from fuser.patterns.gated_mlp import GatedMLPConfig
+from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
+from fuser.patterns.lora_sum import LoraSumConfig
+from fuser.patterns.rms_norm import RmsNormConfig, RmsNormLinearConfig
+from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 OPS = torch.ops.fuser
 BASE = {"strict": True, "inner_compiler": "aot_eager"}
@@ -342,7 +340,7 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     )
     assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
     assert config.lora_sum == LoraSumConfig(fp32_base=True, gated_in_slices=False)
-    assert config.rms_norm == fuser.config.RmsNormConfig(residual_add=True, gradient_sums=True)
+    assert config.rms_norm == RmsNormConfig(residual_add=True, gradient_sums=True)
     assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)
     for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
                     config.lora_sum, config.rms_norm_linear):  # fmt: skip

@@ -77,7 +77,8 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class CausalAttentionConfig:
-    """The causal-attention rewrite's switches (module docstring); each field is described under it."""
+    """What the causal-attention rewrite does with a mask it proves causal, a sliding window, or a mask from the
+    batch (module docstring)."""
 
     gqa_fold: bool = True
     """A proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
@@ -412,4 +413,4 @@ VARIANTS = [
     ),
 ]
 
-CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention)
+CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention, options=CausalAttentionConfig)

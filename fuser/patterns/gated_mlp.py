@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GatedMLPConfig:
-    """What the gated MLP's fused op (swiglu, geglu) does beyond the forward it replaces; each field is described
-    under it."""
+    """What the gated MLP's fused op (``swiglu``, ``geglu`` and ``reglu`` alike) does beyond the forward it
+    replaces."""
 
     recompute_for_down_weight: bool = True
     """A trainable down projection fed the fused product becomes ``fuser::linear_gated``, whose backward recomputes
@@ -492,6 +492,8 @@ SWIGLU = Pattern(
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    options_name="gated_mlp",  # one set of options for every activation
 )
 GEGLU = Pattern(
     "geglu",
@@ -500,6 +502,8 @@ GEGLU = Pattern(
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    options_name="gated_mlp",  # one set of options for every activation
 )
 REGLU = Pattern(
     "reglu",
@@ -508,4 +512,6 @@ REGLU = Pattern(
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"relu", "relu2"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    options_name="gated_mlp",  # one set of options for every activation
 )

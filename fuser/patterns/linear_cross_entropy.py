@@ -74,8 +74,8 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class LinearCrossEntropyConfig:
-    """How the fused lm_head + cross-entropy forms the weight gradient (``fuser/kernels/linear_cross_entropy.py``);
-    each field is described under it."""
+    """How the fused lm_head + cross-entropy forms the lm_head's weight gradient
+    (``fuser/kernels/linear_cross_entropy.py``)."""
 
     dw_kernel: DwKernel = "cublas"
     """What adds each chunk's share to the weight gradient's running sum: ``"cublas"`` (``addmm_``) or ``"triton"``
@@ -358,4 +358,5 @@ LINEAR_CROSS_ENTROPY = Pattern(
     judges_outside_uses=True,
     # the embedding's gradient, which a tied lm_head's gradient joins (any embedding's: FuserConfig.embedding_grads)
     post_grad=(EMBEDDING_GRADS_PASS,),
+    options=LinearCrossEntropyConfig,
 )

@@ -48,7 +48,7 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class LoraSumConfig:
-    """How a LoRA sum that must be stored rounded, or kept in fp32, is computed; each field is described under it."""
+    """How a LoRA sum is computed where it must be stored rounded or kept in fp32."""
 
     fp32_base: bool = True
     """A sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to the base
@@ -600,4 +600,5 @@ LORA_SUM = Pattern(
     runs_first=True,
     after_apply=refine_lora_sums,
     post_grad=(PostGradPass("gated_sums_in_slices", plan_gated_sums, apply_gated_sums, gated_in_slices),),
+    options=LoraSumConfig,
 )

@@ -61,7 +61,7 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class RmsNormLinearConfig:
-    """The ``rms_norm_linear`` pattern's switch, described under it."""
+    """Which norms the ``rms_norm_linear`` pattern (a norm fused with the projections that read it) takes."""
 
     lora: bool = False
     """Also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight gradients
@@ -75,8 +75,7 @@ class RmsNormLinearConfig:
 
 @dataclass(frozen=True)
 class RmsNormConfig:
-    """The ``rms_norm`` pattern's switches (they hold for the norms ``rms_norm_linear`` takes too); each field is
-    described under it."""
+    """What a fused RMSNorm takes in besides the norm (it holds for the norms ``rms_norm_linear`` takes too)."""
 
     residual_add: bool = True
     """A residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused norm reads (every
@@ -536,6 +535,7 @@ RMS_NORM = Pattern(
     anchors=frozenset({"rsqrt", "rms_norm"}),
     after_apply=add_residuals_into_norms,
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
+    options=RmsNormConfig,
 )
 
 # on by default: under full fine-tuning it lowers the peak and costs no speed (docs/defaults.md, rms_norm_linear); for
@@ -546,4 +546,5 @@ RMS_NORM_LINEAR = Pattern(
     check_rms_norm_linear,
     after_apply=rebuild_and_add_residuals,
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
+    options=RmsNormLinearConfig,
 )

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class UpcastLinearConfig:
-    """The upcast linear's (and lora_sum's) kernels and refinements; each field is described under it."""
+    """The upcast linear's (and lora_sum's) kernels and refinements."""
 
     triton: bool = True
     """On a GPU, weights of at most 64 rows (LoRA ranks) take fuser's Triton kernels
@@ -208,4 +208,6 @@ def refine_upcast_linears(graph: torch.fx.Graph, config: FuserConfig) -> int:
     )
 
 
-UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=refine_upcast_linears)
+UPCAST_LINEAR = Pattern(
+    "upcast_linear", VARIANTS, check_upcast_linear, after_apply=refine_upcast_linears, options=UpcastLinearConfig
+)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fuser
-from fuser.config import LoraSumConfig
+from fuser.patterns.lora_sum import LoraSumConfig
 
 STRICT = fuser.FuserConfig(patterns=("lora_sum",), inner_compiler="aot_eager", strict=True)
 N_IN, N_OUT = 64, 48
