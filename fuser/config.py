@@ -8,18 +8,64 @@ registered). :mod:`fuser.options_reference` renders them as FuserConfig's docstr
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fuser import options_reference as reference
 from fuser.engine.protocol import registered_options
-from fuser.options import SectionedOptions, nest_dotted, reserve_names
+from fuser.options import SectionedOptions, build, nest_dotted, reserve_names
 from fuser.patterns import PATTERNS
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
-__all__ = ["INNER_COMPILERS", "FuserConfig", "options_reference"]
+__all__ = ["INNER_COMPILERS", "ExperimentalConfig", "FuserConfig", "options_reference"]
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class ExperimentalConfig(SectionedOptions):
+    """``FuserConfig.experimental``: the switches kept to compare implementations, fuser's own and each registered
+    pattern's (``Pattern.experimental_options``); ``FuserConfig``'s description of the field says what they are."""
+
+    _PATH = "experimental"
+
+    direct_calls: bool = True
+    """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
+    and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
+    host time on every call (``fuser/engine/direct_calls.py``)."""
+
+    embedding_grads: bool = True
+    """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
+    (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
+    sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
+    Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
+    (``fuser/patterns/embedding_grads.py``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("direct_calls", "embedding_grads"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"fuser: experimental.{name} must be True or False, got {value!r}")
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """The registered patterns' experimental options classes (``Pattern.experimental_options``), by name."""
+        return registered_options(experimental=True)
+
+    @classmethod
+    def _misplaced(cls, path: str) -> str:
+        return FuserConfig._misplaced(f"experimental.{path}")
+
+
+def _names(cls: type[SectionedOptions], path: str) -> bool:
+    """Whether ``path`` (``"strict"``, ``"gated_mlp"``, ``"gated_mlp.recompute_for_down_weight"``) names an option
+    of ``cls``."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return head in cls.option_names()
+    section = cls.sections().get(head)
+    return section is not None and "." not in rest and rest in {f.name for f in dataclasses.fields(section)}
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -27,10 +73,12 @@ class FuserConfig(SectionedOptions):
     """What fuser rewrites and what compiles the result: a frozen dataclass, validated when built.
 
     Each field is described by the docstring written under it (a pattern's options under their own dataclass's
-    fields); the list below and ``docs/options.md`` are generated from those descriptions. Give a pattern's options
-    as its dataclass or as a dict of its fields, the fields left out keeping their defaults:
-    ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
-    ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": False}})``.
+    fields); the list below and ``docs/options.md`` are generated from those descriptions. Besides its own fields
+    it holds the options of each registered pattern (``Pattern.options``), read as ``config.<name>.<field>``, and in
+    ``experimental`` the switches kept to compare implementations. Give a pattern's options as its dataclass, as a
+    dict of its fields (the fields left out keep their defaults) or, through ``options=``, by dotted names:
+    ``FuserConfig(gated_mlp={"recompute_for_down_weight": False})``, or by name from a trainer:
+    ``torch.compile(model, backend="fuser", options={"causal_attention.block_sparse_masks": False})``.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -40,8 +88,8 @@ class FuserConfig(SectionedOptions):
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``. Inductor also optimises
-    everything fuser leaves unfused, and only it runs the post-grad passes (``gated_mlp.backward_in_place``,
-    ``embedding_grads``, ``inline_ops``, ``cuda_graphs``); the other two are for debugging."""
+    everything fuser leaves unfused, and only it runs the post-grad passes (the fused ops' backward refinements,
+    ``inline_ops``, ``cuda_graphs``); the other two are for debugging."""
 
     keep_logits: bool = False
     """When a training graph returns the logits it computes the loss from, keep them: the ``linear_cross_entropy``
@@ -80,11 +128,6 @@ class FuserConfig(SectionedOptions):
     unless their input requires one; without reentrancy every parameter's gradient is the same without it. The
     hook is put back after each call. Scoped like ``ignore_logging``."""
 
-    direct_calls: bool = True
-    """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
-    and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
-    host time on every call (``fuser/engine/direct_calls.py``)."""
-
     inline_ops: bool = True
     """Inductor launches the fused ops' Triton kernels from its generated code: each call in a compiled GPU graph is
     replaced, at compile time, by what its Python body does for those shapes (its buffers and kernel launches), so
@@ -93,13 +136,6 @@ class FuserConfig(SectionedOptions):
     same inlined (it writes an input, its shapes are dynamic, it calls a matmul that the caller's autocast would
     change, its tensors are not on a GPU) stays a call; ``fuser.report(model).not_inlined`` says why
     (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g. to compare or to debug a kernel from Python."""
-
-    embedding_grads: bool = True
-    """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
-    (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
-    sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
-    Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
-    (``fuser/patterns/embedding_grads.py``)."""
 
     cuda_graphs: bool = False
     """Inductor records the compiled forward and backward graphs as CUDA graphs and replays them (its
@@ -150,6 +186,14 @@ class FuserConfig(SectionedOptions):
     attention implementation, a model whose mask ignores ``position_ids`` (``fuser/padding_free.py`` lists every
     case). Off by default until measured on a GPU."""
 
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
+    """Switches kept to compare implementations, which may change or go away in any release. Each default won a
+    measurement (``docs/defaults.md`` says which), and the other setting stays so that the measurement can be run
+    again, or a kernel debugged, not for users to tune. Set them as
+    ``options={"experimental": {"direct_calls": False}}`` or by dotted name,
+    ``options={"experimental.gated_mlp.backward_in_place": False}``; a pattern declares its own as
+    ``Pattern.experimental_options``."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
             raise ValueError(f"fuser: inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
@@ -159,9 +203,7 @@ class FuserConfig(SectionedOptions):
             "ignore_logging",
             "checkpoint_side_effects",
             "ignore_input_require_grads",
-            "direct_calls",
             "inline_ops",
-            "embedding_grads",
             "cuda_graphs",
             "zero3_leaf_layers",
             "zero3_lm_head",
@@ -194,11 +236,23 @@ class FuserConfig(SectionedOptions):
             unknown = sorted(set(self.patterns) - set(PATTERNS))
             if unknown:
                 raise ValueError(f"fuser: unknown pattern(s) {unknown}; known patterns are {sorted(PATTERNS)}")
+        hint = lambda name: FuserConfig._misplaced(f"experimental.{name}")  # noqa: E731
+        object.__setattr__(self, "experimental", build(ExperimentalConfig, self.experimental, "experimental", hint))
 
     @classmethod
     def sections(cls) -> dict[str, type]:
         """The registered patterns' options classes, by the name each goes by (``Pattern.options``)."""
         return registered_options()
+
+    @classmethod
+    def _misplaced(cls, path: str) -> str:
+        # an option named without "experimental." that only the experimental namespace has, or the reverse
+        head, _, rest = path.partition(".")
+        if head == "experimental":
+            return f"; {rest} is not experimental: set it as {rest}" if _names(cls, rest) else ""
+        if _names(ExperimentalConfig, path):
+            return f"; {path} is experimental: set it as experimental.{path} (options={{'experimental.{path}': ...}})"
+        return ""
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> FuserConfig:
@@ -243,7 +297,8 @@ def options_reference(markdown: bool = False) -> str:
         "left-out fields keep their defaults, or dotted names:",
         '`FuserConfig(gated_mlp={"recompute_for_down_weight": False})`, `options={"rms_norm_linear": {"lora": True}}`,',
         '`options={"rms_norm_linear.lora": True}`. A pattern registered from outside fuser brings its own options',
-        "(`Pattern.options`), set the same way. Why each default is what it is: [defaults.md](defaults.md).",
+        "(`Pattern.options`), set the same way. The switches kept only to compare implementations are listed apart,",
+        "at the end of this page, under `experimental`. Why each default is what it is: [defaults.md](defaults.md).",
     ]
     return reference.markdown(FuserConfig, intro)
 
@@ -262,6 +317,11 @@ class _WithOptionsReference:
 
 FuserConfig.__doc__ = _WithOptionsReference(FuserConfig.__doc__ or "")
 reserve_names(
-    {name for name in dir(FuserConfig) if not name.startswith("_")} | {"experimental"},
+    {
+        name
+        for cls in (FuserConfig, ExperimentalConfig)
+        for name in [*dir(cls), *(f.name for f in dataclasses.fields(cls))]  # a default_factory field is no attribute
+        if not name.startswith("_")
+    },
     {**registered_options(), **registered_options(experimental=True)},
 )

@@ -97,11 +97,13 @@ def reserve_names(names: set[str], taken: dict[str, type]) -> None:
 
 
 def nest_dotted(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with each dotted name written as nested dicts, merged with those given nested:
+    """``options`` with each dotted name written as nested dicts, merged with those given nested, at any depth:
     ``{"gated_mlp.x": v, "gated_mlp": {"y": w}}`` is ``{"gated_mlp": {"x": v, "y": w}}``. A name given twice is an
     error. The dicts in ``options`` are copied, never changed."""
     out: dict[str, Any] = {}
     for key, value in options.items():
+        if isinstance(value, dict):
+            value = nest_dotted(value)
         if isinstance(key, str) and "." in key:
             for part in reversed(key.split(".")[1:]):
                 value = {part: value}
@@ -137,6 +139,7 @@ def build(cls: type[T], value: T | dict[str, Any] | None, path: str, hint: Calla
             f"fuser: {path} takes a dict of its options ({', '.join(names)}) or {cls.__name__}(...), got "
             f"{type(value).__name__} {value!r}"
         )
+    value = nest_dotted(value)  # FuserConfig(experimental={"gated_mlp.backward_in_place": False})
     unknown = sorted(set(value) - set(names), key=str)
     if unknown:
         more = "".join(hint(str(name)) for name in unknown) if hint else ""

@@ -159,7 +159,8 @@ def markdown(cls: type[SectionedOptions], intro: list[str]) -> str:
     for part, described, part_rows in parts(cls):
         if part:
             first, _, rest = described.partition(". ")
-            out += ["", f"## {part}: {_markdown(first).rstrip('.')}", ""]
+            sentence = _markdown(first).rstrip(".")
+            out += ["", f"## {part.capitalize()}: {sentence[:1].lower()}{sentence[1:]}", ""]
             if rest:
                 out += [textwrap.fill(_markdown(rest), 120, break_on_hyphens=False), ""]
         else:
