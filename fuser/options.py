@@ -11,6 +11,7 @@ pattern: the annotation is the specification, and the error says what to write i
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +151,22 @@ def build(cls: type[T], value: T | dict[str, Any] | None, path: str, hint: Calla
     return built
 
 
+class _KeywordSignature:
+    """``inspect.signature`` of a :class:`SectionedOptions` class: its fields and its sections registered now, as
+    keywords (its ``__init__`` takes ``**options``, which tells a reader and an editor nothing)."""
+
+    def __get__(self, instance: object, owner: type[SectionedOptions]) -> inspect.Signature:
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        params = []
+        for f in dataclasses.fields(owner):
+            if not f.name.startswith("_"):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                params.append(inspect.Parameter(f.name, keyword, default=default, annotation=f.type))
+        params += [inspect.Parameter(name, keyword, default=None, annotation=kind.__name__)
+                   for name, kind in owner.sections().items()]  # fmt: skip
+        return inspect.Signature(params)
+
+
 @dataclass(frozen=True, init=False, repr=False)
 class SectionedOptions:
     """A frozen dataclass of options whose keywords are its own fields and the option classes registered for it
@@ -163,6 +180,8 @@ class SectionedOptions:
 
     # where these options sit in FuserConfig, for messages: "" at the top, "experimental" inside it
     _PATH: ClassVar[str] = ""
+
+    __signature__ = _KeywordSignature()
 
     @classmethod
     def sections(cls) -> dict[str, type]:

@@ -5,6 +5,7 @@ what the valid ones are, and the options reference documents it from the docstri
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,6 +102,7 @@ def test_its_options_are_a_field_like_the_built_in_ones(registered):
     assert fuser.backend(config) is fuser.backend({"scaled_neg.spelling": "clone"})
     again = dataclasses.replace(config, strict=True)
     assert again.strict and again.scaled_neg == config.scaled_neg
+    assert "scaled_neg" in inspect.signature(fuser.FuserConfig).parameters  # help() and editors show it
 
 
 @pytest.mark.parametrize(
