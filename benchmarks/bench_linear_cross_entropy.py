@@ -71,7 +71,7 @@ def make_impls(only: list[str] | None = None) -> dict:
     except ImportError as e:
         print(f"cut-cross-entropy not available: {e}", flush=True)
 
-    def fuser_with(**options):  # FuserConfig.linear_cross_entropy's fields, as the op's arguments
+    def fuser_with(**options):  # FuserConfig.experimental.linear_cross_entropy's fields, as the op's arguments
         return lambda h, w, labels: fuser.linear_cross_entropy(h, w, labels, **options)
 
     impls["fuser"] = fuser_with()
@@ -288,7 +288,7 @@ def tiny_model_step(lines):
         num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     batch, seq = 4, 2048
-    # fuser's defaults (FuserConfig().linear_cross_entropy): the weight's dtype accumulates dW
+    # fuser's defaults (FuserConfig().experimental.linear_cross_entropy): the weight's dtype accumulates dW
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
     logits_bytes = batch * seq * cfg.vocab_size * (2 + 4)
     results = {}

@@ -128,7 +128,7 @@ class RunSpec:
     dtype: torch.dtype
     patterns: tuple[str, ...] | None = None  # None: FuserConfig's default
     inner: str | None = None  # None: the caller's fuser_inner_compiler
-    options: tuple[tuple[str, str, bool], ...] = ()  # (FuserConfig field, its option, value): ``set=`` options
+    options: tuple[tuple[str, bool], ...] = ()  # (an option's dotted name, its value): ``set=`` options
     autocast: bool = False  # the forward and loss under torch.autocast(bfloat16)
 
     @property
@@ -143,7 +143,8 @@ class RunSpec:
 
 def parse_run(spec: str | RunSpec) -> RunSpec:
     """A RunSpec from ``name[:option=value]...``; options only on fuser runs: ``patterns=``, ``inner=`` and
-    ``set=field.option=true|false`` (a pattern's boolean option, e.g. ``set=gated_mlp.backward_in_place=false``)."""
+    ``set=name=true|false`` (a boolean option by its dotted name, e.g.
+    ``set=experimental.gated_mlp.backward_in_place=false``)."""
     if isinstance(spec, RunSpec):
         return spec
     base, *options = spec.split(":")
@@ -151,7 +152,7 @@ def parse_run(spec: str | RunSpec) -> RunSpec:
         raise ValueError(f"unknown run {base!r}; choose from {list(RUNS)}")
     how, dtype, autocast = RUNS[base]
     patterns = inner = None
-    settings: list[tuple[str, str, bool]] = []
+    settings: list[tuple[str, bool]] = []
     for option in options:
         key, sep, value = option.partition("=")
         if how != "fuser" or not sep or key not in ("patterns", "inner", "set"):
@@ -160,10 +161,9 @@ def parse_run(spec: str | RunSpec) -> RunSpec:
             )
         if key == "set":
             path, sep, flag = value.partition("=")
-            field, dot, name = path.partition(".")
-            if not (sep and dot) or flag not in ("true", "false"):
-                raise ValueError(f"run {spec!r}: set takes field.option=true|false, got {value!r}")
-            settings.append((field, name, flag == "true"))
+            if not (sep and path) or flag not in ("true", "false"):
+                raise ValueError(f"run {spec!r}: set takes name=true|false, got {value!r}")
+            settings.append((path, flag == "true"))
         elif key == "inner":
             if value not in ("inductor", "aot_eager", "eager"):
                 raise ValueError(f"run {spec!r}: inner must be inductor, aot_eager or eager")
@@ -378,11 +378,8 @@ def train(
     elif spec.how == "fuser":
         import fuser
 
-        sections: dict[str, dict[str, bool]] = {}
-        for field, name, value in spec.options:
-            sections.setdefault(field, {})[name] = value
-        config = fuser.FuserConfig(
-            patterns=spec.patterns, inner_compiler=spec.inner or fuser_inner_compiler, **sections
+        config = fuser.FuserConfig.from_options(
+            {"patterns": spec.patterns, "inner_compiler": spec.inner or fuser_inner_compiler, **dict(spec.options)}
         )
         backend = fuser.backend(config)
         counts_before, variants_before = Counter(backend.counts), fused_variants(backend)

@@ -5,7 +5,7 @@
 #   MODES (default "eager,liger,compile"; fuser always runs last, profiled), STEPS (10), WARMUP (3), TIMEOUT per
 #   mode in s (240), EXTRA: more train_step.py flags for every mode (e.g. "--layers 8"), TAG: a suffix for the
 #   result folder and archive, so one call can run a job twice (e.g. MODES= TAG=cublas
-#   EXTRA="--fuser-option upcast_linear.triton=false"),
+#   EXTRA="--fuser-option experimental.upcast_linear.triton=false"),
 #   MEMORY=1: every mode also writes what is live at the peak of one more step (memory_<job>_<mode>.md)
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -6,7 +6,7 @@
 #     bash benchmarks/gpu_variants.sh
 #   VARIANTS: "|"-separated; in each, a word starting with + adds that pattern to the default ones, one starting with -
 #   takes it out (not both in one variant), any other word but "default" is a --fuser-option (NAME=VALUE, or a bare
-#   name of causal_attention's gqa_fold as shorthand).
+#   name of experimental.causal_attention.gqa_fold as shorthand).
 #   STEPS (6), WARMUP (3), TIMEOUT per process in s (240), EXTRA: more train_step.py flags for every process.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,7 +44,7 @@ for variant in "${VARIANT_LIST[@]}"; do
       default) ;;
       +*) patterns="${patterns:+$patterns,}$word" ;;
       -*) patterns="${patterns:+$patterns,}$word"; sign="-" ;;
-      gqa_fold) args+=(--fuser-option causal_attention.gqa_fold=true) ;;
+      gqa_fold) args+=(--fuser-option experimental.causal_attention.gqa_fold=true) ;;
       *) args+=(--fuser-option "$word") ;;
     esac
   done

@@ -2,7 +2,7 @@
 them (min-cut rematerialisation), for a Llama-3-8B layer with LoRA r16 on all linear layers (bf16 base, peft's
 fp32 adapters): torch.compile, fuser without ``upcast_linear``, fuser without its gated-input recompute
 (``options={"upcast_linear": {"recompute_gated_input": False}}``), without causal_attention's grouped-query fold
-(``{"causal_attention": {"gqa_fold": False}}``), fuser, fuser with ``rms_norm_linear.lora``; or (``--job
+(``{"experimental.causal_attention.gqa_fold": False}``), fuser, fuser with ``rms_norm_linear.lora``; or (``--job
 llama32-1b-full``) a Llama-3.2-1B layer under full fine-tuning: torch.compile, fuser without the down projection's
 recompute (``options={"gated_mlp": {"recompute_for_down_weight": False}}``), without ``rms_norm_linear`` and the
 fold (the defaults before issue 18), without either, fuser. Runs on a CPU (the partition depends on the graph, not
@@ -128,7 +128,7 @@ def saved_tensors(mode: str, layers: int, job: str = "llama3-8b-lora") -> list[t
         patterns=tuple(p.name for p in patterns) if patterns else None,
         upcast_linear={"recompute_gated_input": mode != MODES[2]},
         gated_mlp={"recompute_for_down_weight": mode != FULL_MODES[1]},
-        causal_attention={"gqa_fold": mode not in (NO_GQA, NEITHER)},
+        experimental={"causal_attention": {"gqa_fold": mode not in (NO_GQA, NEITHER)}},
         rms_norm_linear={"lora": mode == WITH_LORA_NORMS},
     )
     producers: list[str] = []

@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a FuserConfig option by name, repeatable: upcast_linear.triton=false, keep_logits=true",
+        help="a FuserConfig option by name, repeatable: experimental.upcast_linear.triton=false, keep_logits=true",
     )
     parser.add_argument(
         "--inductor-config",

@@ -97,17 +97,17 @@ def build_model(job: Job, args: argparse.Namespace, device: torch.device, dtype:
 
 
 def fuser_options(pairs: list[str]) -> dict[str, Any]:
-    """``--fuser-option`` values (``upcast_linear.triton=false``, ``keep_logits=true``) as the dict that
-    ``torch.compile(..., backend="fuser", options=...)`` takes: a dotted name is a pattern's option, ``true`` and
-    ``false`` are booleans, anything else a string."""
+    """``--fuser-option`` values (``experimental.upcast_linear.triton=false``, ``keep_logits=true``) as the dict that
+    ``torch.compile(..., backend="fuser", options=...)`` takes, names as given (it reads dotted ones as nested):
+    ``true`` and ``false`` are booleans, anything else a string."""
     options: dict[str, Any] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--fuser-option takes NAME=VALUE (e.g. upcast_linear.triton=false), got {pair!r}")
-        value = {"true": True, "false": False}.get(text.lower(), text)
-        section, _, field = name.rpartition(".")
-        (options.setdefault(section, {}) if section else options)[field] = value
+            raise SystemExit(
+                f"--fuser-option takes NAME=VALUE (e.g. experimental.upcast_linear.triton=false), got {pair!r}"
+            )
+        options[name] = {"true": True, "false": False}.get(text.lower(), text)
     return options
 
 

@@ -19,7 +19,7 @@ Modes (``--modes``, comma-separated), each in its own process with fresh Inducto
 - ``unsloth``: ``FastLanguageModel.from_pretrained`` over the same random weights saved to a local directory
   (``HF_HUB_OFFLINE=1``), ``FastLanguageModel.get_peft_model`` with the same LoRA recipe, the same trainer;
 - ``fuser``: ``fuser.optimize_(model)`` and ``fuser.FuserCallback()``; ``--fuser-option NAME=VALUE`` sets a
-  ``FuserConfig`` option (``causal_attention.runtime_check=true``).
+  ``FuserConfig`` option (``experimental.causal_attention.runtime_check=true``).
 
 Per mode: real (non-pad) tokens/s over the steps after the first ``--warmup`` (timed between device
 synchronisations), its ratio to torch_compile's, peak memory (``torch.cuda.max_memory_allocated`` from the
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a FuserConfig option for the fuser mode, repeatable: causal_attention.runtime_check=true",
+        help="a FuserConfig option for the fuser mode, repeatable: experimental.causal_attention.runtime_check=true",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed to each mode's process")
     parser.add_argument("--out", type=Path, help="write the markdown table here too")

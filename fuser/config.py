@@ -1,56 +1,84 @@
 """FuserConfig: every knob of the optimizer, as one frozen (hashable) dataclass.
 
 Each option is described once, by the docstring written under its field (here, and in each pattern's options
-dataclass). :func:`field_descriptions` reads them from the source; :func:`options_reference` renders them as
-FuserConfig's docstring and as ``docs/options.md`` (``python scripts/options_doc.py`` writes it, and
-``tests/test_options_doc.py`` fails when it is out of date).
+dataclass, which the pattern names as its ``Pattern.options`` and which FuserConfig holds once the pattern is
+registered). :mod:`fuser.options_reference` renders them as FuserConfig's docstring and as ``docs/options.md``
+(``python scripts/options_doc.py`` writes it, and ``tests/test_options_doc.py`` fails when it is out of date).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import inspect
-import re
-import textwrap
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from fuser.options import build as build_options
+from fuser import options_reference as reference
+from fuser.engine.protocol import registered_options
+from fuser.options import SectionedOptions, build, nest_dotted, reserve_names
 from fuser.patterns import PATTERNS
-from fuser.patterns.causal_attention import CausalAttentionConfig
-from fuser.patterns.gated_mlp import GatedMLPConfig
-from fuser.patterns.linear_cross_entropy import LinearCrossEntropyConfig
-from fuser.patterns.lora_sum import LoraSumConfig
-from fuser.patterns.rms_norm import RmsNormConfig, RmsNormLinearConfig
-from fuser.patterns.upcast_linear import UpcastLinearConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
-__all__ = [
-    "INNER_COMPILERS",
-    "CausalAttentionConfig",
-    "FuserConfig",
-    "GatedMLPConfig",
-    "LinearCrossEntropyConfig",
-    "LoraSumConfig",
-    "RmsNormConfig",
-    "RmsNormLinearConfig",
-    "UpcastLinearConfig",
-]
+__all__ = ["INNER_COMPILERS", "ExperimentalConfig", "FuserConfig", "options_reference"]
 
 
-@dataclass(frozen=True)
-class FuserConfig:
+@dataclass(frozen=True, init=False, repr=False)
+class ExperimentalConfig(SectionedOptions):
+    """``FuserConfig.experimental``: the switches kept to compare implementations, fuser's own and each registered
+    pattern's (``Pattern.experimental_options``); ``FuserConfig``'s description of the field says what they are."""
+
+    _PATH = "experimental"
+
+    direct_calls: bool = True
+    """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
+    and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
+    host time on every call (``fuser/engine/direct_calls.py``)."""
+
+    embedding_grads: bool = True
+    """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
+    (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
+    sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
+    Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
+    (``fuser/patterns/embedding_grads.py``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("direct_calls", "embedding_grads"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"fuser: experimental.{name} must be True or False, got {value!r}")
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """The registered patterns' experimental options classes (``Pattern.experimental_options``), by name."""
+        return registered_options(experimental=True)
+
+    @classmethod
+    def _misplaced(cls, path: str) -> str:
+        return FuserConfig._misplaced(f"experimental.{path}")
+
+
+def _names(cls: type[SectionedOptions], path: str) -> bool:
+    """Whether ``path`` (``"strict"``, ``"gated_mlp"``, ``"gated_mlp.recompute_for_down_weight"``) names an option
+    of ``cls``."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return head in cls.option_names()
+    section = cls.sections().get(head)
+    return section is not None and "." not in rest and rest in {f.name for f in dataclasses.fields(section)}
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class FuserConfig(SectionedOptions):
     """What fuser rewrites and what compiles the result: a frozen dataclass, validated when built.
 
     Each field is described by the docstring written under it (a pattern's options under their own dataclass's
-    fields); the list below and ``docs/options.md`` are generated from those descriptions. Give a pattern's options
-    as its dataclass or as a dict of its fields, the fields left out keeping their defaults:
-    ``FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"})``, or by name from a trainer:
-    ``torch.compile(model, backend="fuser", options={"causal_attention": {"gqa_fold": False}})``.
+    fields); the list below and ``docs/options.md`` are generated from those descriptions. Besides its own fields
+    it holds the options of each registered pattern (``Pattern.options``), read as ``config.<name>.<field>``, and in
+    ``experimental`` the switches kept to compare implementations. Give a pattern's options as its dataclass, as a
+    dict of its fields (the fields left out keep their defaults) or, through ``options=``, by dotted names:
+    ``FuserConfig(gated_mlp={"recompute_for_down_weight": False})``, or by name from a trainer:
+    ``torch.compile(model, backend="fuser", options={"causal_attention.block_sparse_masks": False})``.
     """
 
     patterns: tuple[str, ...] | None = None
@@ -60,8 +88,8 @@ class FuserConfig:
 
     inner_compiler: str = "inductor"
     """What compiles the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``. Inductor also optimises
-    everything fuser leaves unfused, and only it runs the post-grad passes (``gated_mlp.backward_in_place``,
-    ``embedding_grads``, ``inline_ops``, ``cuda_graphs``); the other two are for debugging."""
+    everything fuser leaves unfused, and only it runs the post-grad passes (the fused ops' backward refinements,
+    ``inline_ops``, ``cuda_graphs``); the other two are for debugging."""
 
     keep_logits: bool = False
     """When a training graph returns the logits it computes the loss from, keep them: the ``linear_cross_entropy``
@@ -100,11 +128,6 @@ class FuserConfig:
     unless their input requires one; without reentrancy every parameter's gradient is the same without it. The
     hook is put back after each call. Scoped like ``ignore_logging``."""
 
-    direct_calls: bool = True
-    """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
-    and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
-    host time on every call (``fuser/engine/direct_calls.py``)."""
-
     inline_ops: bool = True
     """Inductor launches the fused ops' Triton kernels from its generated code: each call in a compiled GPU graph is
     replaced, at compile time, by what its Python body does for those shapes (its buffers and kernel launches), so
@@ -113,13 +136,6 @@ class FuserConfig:
     same inlined (it writes an input, its shapes are dynamic, its tensors are not on a GPU) stays a call;
     ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g.
     to compare or to debug a kernel from Python."""
-
-    embedding_grads: bool = True
-    """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
-    (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
-    sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
-    Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
-    (``fuser/patterns/embedding_grads.py``)."""
 
     cuda_graphs: bool = False
     """Inductor records the compiled forward and backward graphs as CUDA graphs and replays them (its
@@ -170,27 +186,13 @@ class FuserConfig:
     attention implementation, a model whose mask ignores ``position_ids`` (``fuser/padding_free.py`` lists every
     case). Off by default until measured on a GPU."""
 
-    linear_cross_entropy: LinearCrossEntropyConfig = field(default_factory=LinearCrossEntropyConfig)
-    """How the fused lm_head + cross-entropy forms the lm_head's weight gradient."""
-
-    causal_attention: CausalAttentionConfig = field(default_factory=CausalAttentionConfig)
-    """What the causal-attention rewrite does with a mask it proves causal, a sliding window, or a mask from the
-    batch."""
-
-    gated_mlp: GatedMLPConfig = field(default_factory=GatedMLPConfig)
-    """What the gated MLP's fused op (``swiglu`` and ``geglu`` both) does beyond the forward it replaces."""
-
-    upcast_linear: UpcastLinearConfig = field(default_factory=UpcastLinearConfig)
-    """The upcast linear's (and lora_sum's) kernels and refinements."""
-
-    lora_sum: LoraSumConfig = field(default_factory=LoraSumConfig)
-    """How a LoRA sum is computed where it must be stored rounded or kept in fp32."""
-
-    rms_norm: RmsNormConfig = field(default_factory=RmsNormConfig)
-    """What a fused RMSNorm takes in besides the norm (it holds for the norms ``rms_norm_linear`` takes too)."""
-
-    rms_norm_linear: RmsNormLinearConfig = field(default_factory=RmsNormLinearConfig)
-    """Which norms the ``rms_norm_linear`` pattern (a norm fused with the projections that read it) takes."""
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
+    """Switches kept to compare implementations, which may change or go away in any release. Each default won a
+    measurement (``docs/defaults.md`` says which), and the other setting stays so that the measurement can be run
+    again, or a kernel debugged, not for users to tune. Set them as
+    ``options={"experimental": {"direct_calls": False}}`` or by dotted name,
+    ``options={"experimental.gated_mlp.backward_in_place": False}``; a pattern declares its own as
+    ``Pattern.experimental_options``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_compiler, str) or self.inner_compiler not in INNER_COMPILERS:
@@ -201,9 +203,7 @@ class FuserConfig:
             "ignore_logging",
             "checkpoint_side_effects",
             "ignore_input_require_grads",
-            "direct_calls",
             "inline_ops",
-            "embedding_grads",
             "cuda_graphs",
             "zero3_leaf_layers",
             "zero3_lm_head",
@@ -236,20 +236,40 @@ class FuserConfig:
             unknown = sorted(set(self.patterns) - set(PATTERNS))
             if unknown:
                 raise ValueError(f"fuser: unknown pattern(s) {unknown}; known patterns are {sorted(PATTERNS)}")
-        for name, cls in _pattern_options().items():
-            object.__setattr__(self, name, build_options(cls, getattr(self, name), name))
+        hint = lambda name: FuserConfig._misplaced(f"experimental.{name}")  # noqa: E731
+        object.__setattr__(self, "experimental", build(ExperimentalConfig, self.experimental, "experimental", hint))
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """The registered patterns' options classes, by the name each goes by (``Pattern.options``)."""
+        return registered_options()
+
+    @classmethod
+    def _misplaced(cls, path: str) -> str:
+        # an option named without "experimental." that only the experimental namespace has, or the reverse
+        head, _, rest = path.partition(".")
+        if head == "experimental":
+            return f"; {rest} is not experimental: set it as {rest}" if _names(cls, rest) else ""
+        if _names(ExperimentalConfig, path):
+            return f"; {path} is experimental: set it as experimental.{path} (options={{'experimental.{path}': ...}})"
+        return ""
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> FuserConfig:
-        """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config's fields; a pattern's
-        options are a nested dict (``{"linear_cross_entropy": {"dw_kernel": "triton"}}``)."""
+        """Map ``torch.compile(..., backend="fuser", options={...})`` onto the config: its fields by name, a
+        pattern's options as a nested dict (``{"gated_mlp": {"backward_in_place": False}}``) or by dotted names
+        (``{"gated_mlp.backward_in_place": False}``)."""
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"fuser: options must be a dict of FuserConfig fields, got {type(options).__name__}")
-        options = dict(options or {})
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields, key=str)
+        options = nest_dotted(options or {})
+        fields = [f.name for f in reference.public_fields(cls)]
+        unknown = sorted(set(options) - set(cls.option_names()), key=str)
         if unknown:
-            raise ValueError(f"fuser: unknown option(s) {unknown}; FuserConfig fields are {sorted(fields)}")
+            more = "".join(cls._misplaced(str(name)) for name in unknown)
+            raise ValueError(
+                f"fuser: unknown option(s) {unknown}; FuserConfig fields are {sorted(fields)}, and the patterns' "
+                f"options {sorted(cls.sections())}{more}"
+            )
         return cls(**options)
 
     def enabled(self, pattern_name: str) -> bool:
@@ -258,141 +278,50 @@ class FuserConfig:
         return pattern_name in self.patterns
 
 
-def _pattern_options() -> dict[str, type]:
-    """FuserConfig's fields that hold a pattern's options dataclass, by name."""
-    return {
-        f.name: f.default_factory
-        for f in dataclasses.fields(FuserConfig)
-        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
-    }
-
-
-@functools.cache
-def _class_bodies(path: str) -> dict[str, list[ast.stmt]]:
-    """The top-level classes of the module at ``path``, by name, parsed once."""
-    with open(path, encoding="utf-8") as source:
-        tree = ast.parse(source.read(), path)
-    return {node.name: node.body for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-@functools.cache
-def field_descriptions(cls: type) -> dict[str, str]:
-    """Each field of the dataclass ``cls`` that has a description: the string literal written right under the field
-    in the class body (an attribute docstring, as Sphinx reads them), by field name. Empty where the source cannot
-    be read (an install without ``.py`` files): the descriptions are documentation, nothing depends on them."""
-    try:
-        body = _class_bodies(inspect.getfile(cls))[cls.__name__]
-    except (OSError, TypeError, KeyError, SyntaxError):
-        return {}
-    found = {}
-    for stmt, after in zip(body, body[1:], strict=False):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            found[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return found
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_text(cls: type, f: dataclasses.Field) -> str:
-    """The field's type as a reader writes its values: ``bool``, ``"cublas" | "triton"``, or the annotation."""
-    hint = _type_hints(cls).get(f.name)
-    if typing.get_origin(hint) is Literal:
-        return " | ".join(f'"{value}"' for value in typing.get_args(hint))
-    return hint.__name__ if isinstance(hint, type) else str(f.type)
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return repr(f.default).replace("'", '"')
-    return f"{f.default_factory.__name__}()"
-
-
-def _markdown(text: str) -> str:
-    """A docstring's reST markup as Markdown: ````x```` → ```x```, ``:class:`X``` → ```X```."""
-    return re.sub(r":(?:class|func|mod|meth):`([^`]+)`", r"`\1`", text).replace("``", "`")
-
-
-def _anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading: lower case, punctuation other than ``-`` and ``_`` dropped."""
-    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-
-
 def options_reference(markdown: bool = False) -> str:
     """Every option of :class:`FuserConfig`, from the descriptions under its fields and under the fields of each
-    pattern's options dataclass: plain text for FuserConfig's docstring, or Markdown (``docs/options.md``)."""
-    rows = []  # (dotted name, type, default, description)
-    for f in dataclasses.fields(FuserConfig):
-        described = field_descriptions(FuserConfig).get(f.name, "")
-        nested = _pattern_options().get(f.name)
-        if nested is None:
-            rows.append((f.name, _type_text(FuserConfig, f), _default_text(f), described))
-            continue
-        rows.append((f.name, nested.__name__, "", described))
-        for g in dataclasses.fields(nested):
-            sub = field_descriptions(nested).get(g.name, "")
-            rows.append((f"{f.name}.{g.name}", _type_text(nested, g), _default_text(g), sub))
+    registered pattern's options: plain text for FuserConfig's docstring, or Markdown (``docs/options.md``)."""
     if not markdown:
-        lines = []
-        for name, kind, default, described in rows:
-            indent = "    " * name.count(".")
-            lines.append(f"{indent}{name.rsplit('.', 1)[-1]}: {kind}" + (f" = {default}" if default else ""))
-            pad = indent + "    "
-            wrapped = textwrap.fill(described, 112, initial_indent=pad, subsequent_indent=pad, break_on_hyphens=False)
-            lines.append(wrapped)
-        return "\n".join(lines)
-    out = [
+        return reference.plain_text(FuserConfig)
+    intro = [
         "# Options",
         "",
         "<!-- Generated by `python scripts/options_doc.py` from the docstring under each field of",
-        "     fuser/config.py's FuserConfig and of each pattern's options dataclass: edit those, then run it.",
-        "     tests/test_options_doc.py fails when this file is out of date. -->",
+        "     fuser/config.py's FuserConfig and of each registered pattern's options dataclass: edit those, then run",
+        "     it. tests/test_options_doc.py fails when this file is out of date. -->",
         "",
         "Every behaviour switch of fuser is a field of `fuser.FuserConfig`; there are no environment variables or",
         "module flags. Pass a config as `fuser.optimize(model, config)` / `fuser.optimize_(model, config)` (a",
         "`FuserConfig` or a dict of its fields), or by name as",
         '`torch.compile(model, backend="fuser", options={...})`. A pattern\'s options are a nested dict whose',
-        'left-out fields keep their defaults: `FuserConfig(gated_mlp={"backward_in_place": False})`,',
-        '`options={"linear_cross_entropy": {"dw_accumulator": "fp32"}}`. Why each default is what it is:',
-        "[defaults.md](defaults.md).",
-        "",
-        "| option | type | default |",
-        "|---|---|---|",
+        "left-out fields keep their defaults, or dotted names:",
+        '`FuserConfig(gated_mlp={"recompute_for_down_weight": False})`, `options={"rms_norm_linear": {"lora": True}}`,',
+        '`options={"rms_norm_linear.lora": True}`. A pattern registered from outside fuser brings its own options',
+        "(`Pattern.options`), set the same way. The switches kept only to compare implementations are listed apart,",
+        "at the end of this page, under `experimental`. Why each default is what it is: [defaults.md](defaults.md).",
     ]
-    for name, kind, default, _ in rows:
-        shown = f"`{default}`" if default else "(its options below)"
-        kind = kind.replace("|", "\\|")  # a bar inside a table cell, even in code, ends the cell
-        out.append(f"| [`{name}`](#{_anchor(name)}) | `{kind}` | {shown} |")
-    for name, kind, default, described in rows:
-        level = "###" if "." in name else "##"
-        out += ["", f"{level} {name}", ""]
-        if default:
-            out += [f"`{kind}`, default `{default}`.", ""]
-        out.append(textwrap.fill(_markdown(described) or "(no description yet)", 120, break_on_hyphens=False))
-    return "\n".join(out) + "\n"
+    return reference.markdown(FuserConfig, intro)
 
 
 class _WithOptionsReference:
-    """A class docstring followed by :func:`options_reference`, rendered when first read (``help(FuserConfig)``,
+    """A class docstring followed by :func:`options_reference`, rendered when read (``help(FuserConfig)``,
     ``FuserConfig.__doc__``) rather than at import: ``type.__doc__`` calls a descriptor found under ``__doc__``."""
 
     def __init__(self, intro: str) -> None:
         self.intro = inspect.cleandoc(intro)
 
-    @functools.cached_property
-    def text(self) -> str:
-        return f"{self.intro}\n\nFields:\n\n{options_reference()}\n"
-
     def __get__(self, instance: object, owner: type | None = None) -> str:
-        return self.text
+        # rendered at each read: a pattern registered since brings options of its own
+        return f"{self.intro}\n\nFields:\n\n{options_reference()}\n"
 
 
 FuserConfig.__doc__ = _WithOptionsReference(FuserConfig.__doc__ or "")
+reserve_names(
+    {
+        name
+        for cls in (FuserConfig, ExperimentalConfig)
+        for name in [*dir(cls), *(f.name for f in dataclasses.fields(cls))]  # a default_factory field is no attribute
+        if not name.startswith("_")
+    },
+    {**registered_options(), **registered_options(experimental=True)},
+)

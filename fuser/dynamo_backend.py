@@ -52,9 +52,9 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int], inliner: inline
     """fuser's post-grad pass: the post-grad passes the registered patterns declare (``Pattern.post_grad``: the
     gated MLP's backward in place), each where it is enabled for ``config``; then, with ``config.inline_ops``, the
     fused ops' calls that can be replaced by their kernels, launched by Inductor (:mod:`fuser.engine.inline_ops`,
-    through ``inliner``); then, with ``config.direct_calls``, the remaining calls retargeted to their direct
-    overloads (:mod:`fuser.engine.direct_calls`); then the user's own post-grad pass, if any. The numbers of calls
-    the blocks' passes rewrote are added to ``counts``.
+    through ``inliner``); then, with ``config.experimental.direct_calls``, the remaining calls retargeted to their
+    direct overloads (:mod:`fuser.engine.direct_calls`); then the user's own post-grad pass, if any. The numbers of
+    calls the blocks' passes rewrote are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache
     keys: fuser's source and the whole config (its repr, nested options included: every switch there is) are in
@@ -86,7 +86,7 @@ def _post_grad_pass(config: FuserConfig, counts: dict[str, int], inliner: inline
                 counts[name] = counts.get(name, 0) + one.apply(graph, plan)
             if config.inline_ops and inliner is not None:
                 inliner.inline(graph)
-            if config.direct_calls:
+            if config.experimental.direct_calls:
                 direct_calls.retarget(graph)
             if previous is not None:
                 previous(graph)

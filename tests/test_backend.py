@@ -152,7 +152,7 @@ def test_cache_key_carries_fuser_source_config_and_switch():
     b = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(strict=True), {}).uuid()
     assert a != b
     assert fuser.dynamo_backend._SOURCE_DIGEST in repr(a)
-    off = fuser.FuserConfig(gated_mlp={"backward_in_place": False})
+    off = fuser.FuserConfig(experimental={"gated_mlp": {"backward_in_place": False}})
     assert fuser.dynamo_backend._post_grad_pass(off, {}).uuid() != a
     logging_off = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(ignore_logging=False), {}).uuid()
     assert logging_off != a and "ignore_logging=False" in repr(logging_off)

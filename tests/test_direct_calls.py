@@ -1,5 +1,5 @@
 """Direct calls (``fuser.engine.direct_calls``): Inductor's compiled graphs call the fused ops through their
-``direct`` overloads, the same functions without the custom-op wrapper; ``FuserConfig(direct_calls=False)`` keeps
+``direct`` overloads, the same functions without the custom-op wrapper; ``experimental.direct_calls=False`` keeps
 the default overloads. The overloads compute what the default ones compute, bit for bit; a LoRA training step
 through Inductor (CPU, caches off so the post-grad pass runs) calls only direct overloads of functional ops, and
 its loss and gradients equal those of the step with the switch off, bit for bit."""
@@ -121,7 +121,7 @@ def test_compiled_step_calls_direct_overloads_and_equals_the_default_ones(checkp
     # step_and_code(fuser.FuserConfig(strict=True), checkpointing), read from inductor_steps (the same model)
     shared = inductor_step("checkpointed lora" if checkpointing else "lora", fuser.FuserConfig(strict=True))
     (loss_on, grads_on), code_on = shared.loss_and_grads(), shared.code
-    off_config = fuser.FuserConfig.from_options({"strict": True, "direct_calls": False})
+    off_config = fuser.FuserConfig.from_options({"strict": True, "experimental.direct_calls": False})
     loss_off, grads_off, code_off = step_and_code(off_config, checkpointing)
     on, off = CALL.findall(code_on), CALL.findall(code_off)
     assert on and off
@@ -138,7 +138,7 @@ def test_compiled_step_calls_direct_overloads_and_equals_the_default_ones(checkp
 
 
 def test_direct_calls_is_a_bool_option():
-    assert fuser.FuserConfig().direct_calls is True
-    assert fuser.FuserConfig.from_options({"direct_calls": False}).direct_calls is False
-    with pytest.raises(TypeError, match="direct_calls"):
-        fuser.FuserConfig(direct_calls="no")
+    assert fuser.FuserConfig().experimental.direct_calls is True
+    assert fuser.FuserConfig.from_options({"experimental.direct_calls": False}).experimental.direct_calls is False
+    with pytest.raises(TypeError, match="experimental.direct_calls must be True or False"):
+        fuser.FuserConfig(experimental={"direct_calls": "no"})

@@ -1,6 +1,7 @@
 """One configuration surface: every behaviour switch is a FuserConfig field, reachable by name through
-``torch.compile(..., backend="fuser", options={...})`` (nested dicts, one per pattern with options), validated when
-built, part of Inductor's cache key by construction; no environment variable or module flag switches anything.
+``torch.compile(..., backend="fuser", options={...})`` (nested dicts, one per pattern with options, or dotted names;
+the switches kept to compare implementations under ``experimental``), validated when built, part of Inductor's cache
+key by construction; no environment variable or module flag switches anything.
 
 Each former switch is set here by name through ``options=`` and shown to change what fuser does: the arguments of
 the fused op in the rewritten graph, what the rewrite refines, what is matched, or what the post-grad pass does.
@@ -18,16 +19,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fuser
 import fuser.dynamo_backend
 import fuser.kernels.upcast_linear as U
-from fuser.config import (
-    CausalAttentionConfig,
-    GatedMLPConfig,
-    LinearCrossEntropyConfig,
-    LoraSumConfig,
-    RmsNormLinearConfig,
-    UpcastLinearConfig,
-)
+from fuser.config import ExperimentalConfig
 from fuser.dynamo_backend import FuserBackend
 from fuser.kernels._triton import HAS_TRITON, interpreting, use_triton
+from fuser.patterns.causal_attention import CausalAttentionConfig, CausalAttentionExperimental
+from fuser.patterns.gated_mlp import GatedMLPConfig, GatedMLPExperimental
+from fuser.patterns.linear_cross_entropy import LinearCrossEntropyExperimental
+from fuser.patterns.lora_sum import LoraSumExperimental
+from fuser.patterns.rms_norm import RmsNormExperimental, RmsNormLinearConfig
+from fuser.patterns.upcast_linear import UpcastLinearConfig, UpcastLinearExperimental
 
 OPS = torch.ops.fuser
 BASE = {"strict": True, "inner_compiler": "aot_eager"}
@@ -74,7 +74,7 @@ def refined(backend) -> dict[str, int]:
     return total
 
 
-# --- linear_cross_entropy: dw_kernel, dw_accumulator, streams ------------------------------------------------
+# --- experimental.linear_cross_entropy: dw_kernel, dw_accumulator, streams -----------------------------------
 
 
 def lm_loss(h, w, y):
@@ -91,9 +91,9 @@ def lm_inputs(gen):
     "options, expected",
     [
         ({}, ("cublas", "input", True)),
-        ({"linear_cross_entropy": {"dw_kernel": "triton"}}, ("triton", "input", True)),
-        ({"linear_cross_entropy": {"dw_accumulator": "fp32"}}, ("cublas", "fp32", True)),
-        ({"linear_cross_entropy": {"streams": False}}, ("cublas", "input", False)),
+        ({"experimental": {"linear_cross_entropy": {"dw_kernel": "triton"}}}, ("triton", "input", True)),
+        ({"experimental.linear_cross_entropy.dw_accumulator": "fp32"}, ("cublas", "fp32", True)),
+        ({"experimental.linear_cross_entropy": {"streams": False}}, ("cublas", "input", False)),
     ],
     ids=["defaults", "dw_kernel", "dw_accumulator", "streams"],
 )
@@ -116,7 +116,7 @@ def test_linear_cross_entropy_options_become_the_ops_arguments(options, expected
     assert ran == [expected]  # and the op ran with them
 
 
-# --- causal_attention: gqa_fold, runtime_check ----------------------------------------------------------------
+# --- experimental.causal_attention: gqa_fold, runtime_check ---------------------------------------------------
 
 
 def causal_mask(q):  # transformers 5.17 under torch.compile
@@ -152,7 +152,7 @@ def qkv(gen, kv_heads=2):
 def test_gqa_fold_by_name(fold, gen, rewritten):
     from fuser.patterns.causal_attention import causal_sdpa
 
-    backend = compile_by_name(gqa_attention, {"causal_attention": {"gqa_fold": fold}}, *qkv(gen))
+    backend = compile_by_name(gqa_attention, {"experimental.causal_attention.gqa_fold": fold}, *qkv(gen))
     assert backend.counts == {"causal_attention": 1}
     (node,) = calls(rewritten, causal_sdpa)
     q, k, v, _, _, enable_gqa = node.args
@@ -165,7 +165,7 @@ def test_runtime_check_by_name(check, gen, rewritten):
     from fuser.patterns.causal_attention import causal_or_masked_sdpa
 
     keep = torch.ones(2, 8, dtype=torch.bool)
-    options = {"causal_attention": {"runtime_check": check, "block_sparse_masks": False}}
+    options = {"experimental.causal_attention.runtime_check": check, "causal_attention.block_sparse_masks": False}
     backend = compile_by_name(padded_attention, options, *qkv(gen, 4), keep)
     assert backend.counts == ({"causal_attention": 1} if check else {})
     assert len(calls(rewritten, causal_or_masked_sdpa)) == int(check)
@@ -174,7 +174,7 @@ def test_runtime_check_by_name(check, gen, rewritten):
         assert any("graph input" in r for r in reasons), reasons
 
 
-# --- gated_mlp: recompute_for_down_weight, backward_in_place --------------------------------------------------
+# --- gated_mlp.recompute_for_down_weight, experimental.gated_mlp.backward_in_place ----------------------------
 
 
 def mlp(x, wg, wu, wd):  # Llama's MLP, all three weights trainable (full fine-tuning)
@@ -206,7 +206,7 @@ def backward_of_a_checkpointed_layer(dout, a, b):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_backward_in_place_by_name(in_place, gen):
     """The post-grad pass of the backend ``options=`` names, on a backward graph as Inductor hands it over."""
-    backend = compile_by_name(mlp, {"gated_mlp": {"backward_in_place": in_place}}, *mlp_inputs(gen))
+    backend = compile_by_name(mlp, {"experimental.gated_mlp.backward_in_place": in_place}, *mlp_inputs(gen))
     args = [torch.randn(6, 10, generator=gen) for _ in range(3)]
     gm = make_fx(backward_of_a_checkpointed_layer, tracing_mode="fake")(*args)
     counts: dict[str, int] = {}
@@ -219,7 +219,7 @@ def test_backward_in_place_by_name(in_place, gen):
         assert torch.equal(got, want)
 
 
-# --- upcast_linear: triton (also lora_sum's kernels), recompute_gated_input -----------------------------------
+# --- upcast_linear.recompute_gated_input, experimental.upcast_linear: triton (lora_sum's too), grouping -------
 
 
 def lora_mlp(x, wg, ag, bg, wu, au, bu, wd, ad, bd):  # peft's LoRA on a bf16/fp16 Llama MLP, fp32 adapters
@@ -244,7 +244,7 @@ def lora_inputs(gen, dtype=torch.float16):
 
 @pytest.mark.parametrize("triton", [False, True])
 def test_upcast_linear_triton_by_name_reaches_every_op_of_its_kernels(triton, gen, rewritten):
-    backend = compile_by_name(lora_mlp, {"upcast_linear": {"triton": triton}}, *lora_inputs(gen))
+    backend = compile_by_name(lora_mlp, {"experimental.upcast_linear.triton": triton}, *lora_inputs(gen))
     assert backend.counts == {"lora_sum": 3, "swiglu": 1, "upcast_linear": 3}
     upcasts = calls(rewritten, OPS.upcast_linear.default) + calls(rewritten, OPS.upcast_linear_gated.default)
     # gate's and up's adapters read one x: one op on their concatenated weights (group_shared_inputs)
@@ -264,7 +264,7 @@ def test_upcast_linear_triton_by_name_decides_the_kernels(triton, gen, triton_on
     for name in ("_forward_triton", "_dx_triton", "_dw_triton"):
         real = getattr(U, name)
         monkeypatch.setattr(U, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
-    compile_by_name(lora_mlp, {"upcast_linear": {"triton": triton}}, *lora_inputs(gen))
+    compile_by_name(lora_mlp, {"experimental.upcast_linear.triton": triton}, *lora_inputs(gen))
     assert (len(launched) > 0) is triton, launched
     if triton:
         assert {"_forward_triton", "_dx_triton", "_dw_triton"} <= set(launched)
@@ -272,7 +272,7 @@ def test_upcast_linear_triton_by_name_decides_the_kernels(triton, gen, triton_on
 
 @pytest.mark.parametrize("group", [False, True])
 def test_group_shared_inputs_by_name(group, gen, rewritten):
-    backend = compile_by_name(lora_mlp, {"upcast_linear": {"group_shared_inputs": group}}, *lora_inputs(gen))
+    backend = compile_by_name(lora_mlp, {"experimental.upcast_linear.group_shared_inputs": group}, *lora_inputs(gen))
     # gate's and up's adapters grouped (2 refined) besides the down adapter's recompute (1)
     assert refined(backend).get("upcast_linear", 0) == 1 + 2 * group
     assert len(calls(rewritten, OPS.upcast_linear.default)) == 2 - group
@@ -287,14 +287,14 @@ def test_recompute_gated_input_by_name(recompute, gen, rewritten):
     assert len(calls(rewritten, OPS.upcast_linear_gated.default)) == int(recompute)
 
 
-# --- lora_sum: fp32_base ----------------------------------------------------------------------------------------
+# --- experimental.lora_sum: fp32_base, gated_in_slices --------------------------------------------------------
 
 
 @pytest.mark.parametrize("fp32_base", [False, True])
 def test_lora_sum_fp32_base_by_name(fp32_base, gen, rewritten):
     """The down sum is the function's output, rounded: with ``fp32_base`` its base linear returns fp32 and the
     sum rounds once; the gate and up sums feed the gated op unrounded either way."""
-    compile_by_name(lora_mlp, {"lora_sum": {"fp32_base": fp32_base}}, *lora_inputs(gen))
+    compile_by_name(lora_mlp, {"experimental.lora_sum.fp32_base": fp32_base}, *lora_inputs(gen))
     wide = calls(rewritten, OPS.linear_wide.default)
     assert len(wide) == int(fp32_base)
     rounded = [n for n in calls(rewritten, OPS.lora_sum.default) if n.args[0] in wide]
@@ -312,7 +312,7 @@ def gated_of_wide_sums(gb, ga, gw, ub, ua, uw):  # the three calls lora_sum's po
 def test_lora_sum_gated_in_slices_by_name(in_slices, gen):
     """The post-grad pass of the backend ``options=`` names, on a graph as Inductor hands it over: with
     ``gated_in_slices`` one ``gated_activation_of_lora_sums`` in place of the three calls, the same results."""
-    backend = compile_by_name(lora_mlp, {"lora_sum": {"gated_in_slices": in_slices}}, *lora_inputs(gen))
+    backend = compile_by_name(lora_mlp, {"experimental.lora_sum.gated_in_slices": in_slices}, *lora_inputs(gen))
     args = [t for _ in range(2) for t in (torch.randn(6, 24, generator=gen).half(), torch.randn(6, 4, generator=gen),
                                           torch.randn(24, 4, generator=gen))]  # fmt: skip
     gm = make_fx(gated_of_wide_sums, tracing_mode="fake")(*args)
@@ -334,58 +334,96 @@ def test_lora_sum_gated_in_slices_by_name(in_slices, gen):
 
 def test_every_switch_is_a_typed_field_with_todays_default():
     config = fuser.FuserConfig()
-    assert config.linear_cross_entropy == LinearCrossEntropyConfig(dw_kernel="cublas", dw_accumulator="input",
-                                                                    streams=True)  # fmt: skip
-    assert config.causal_attention == CausalAttentionConfig(gqa_fold=True, runtime_check=False)
-    assert config.gated_mlp == GatedMLPConfig(
-        recompute_for_down_weight=True, backward_in_place=True, backward_writes_product=True
-    )
-    assert config.upcast_linear == UpcastLinearConfig(triton=True, recompute_gated_input=True)
-    assert config.lora_sum == LoraSumConfig(fp32_base=True, gated_in_slices=False)
-    assert config.rms_norm == fuser.config.RmsNormConfig(residual_add=True, gradient_sums=True)
+    assert config.causal_attention == CausalAttentionConfig(sliding_window=True, block_sparse_masks=True)
+    assert config.gated_mlp == GatedMLPConfig(recompute_for_down_weight=True)
+    assert config.upcast_linear == UpcastLinearConfig(recompute_gated_input=True)
     assert config.rms_norm_linear == RmsNormLinearConfig(lora=False)
-    for options in (config.linear_cross_entropy, config.causal_attention, config.gated_mlp, config.upcast_linear,
-                    config.lora_sum, config.rms_norm_linear):  # fmt: skip
+    experimental = config.experimental
+    assert experimental.direct_calls is True and experimental.embedding_grads is True
+    assert experimental.linear_cross_entropy == LinearCrossEntropyExperimental(
+        dw_kernel="cublas", dw_accumulator="input", streams=True
+    )
+    assert experimental.causal_attention == CausalAttentionExperimental(gqa_fold=True, runtime_check=False)
+    assert experimental.gated_mlp == GatedMLPExperimental(backward_in_place=True, backward_writes_product=True)
+    assert experimental.upcast_linear == UpcastLinearExperimental(triton=True, group_shared_inputs=True)
+    assert experimental.lora_sum == LoraSumExperimental(fp32_base=True, gated_in_slices=False)
+    assert experimental.rms_norm == RmsNormExperimental(residual_add=True, gradient_sums=True)
+    sections = [config.causal_attention, config.gated_mlp, config.upcast_linear, config.rms_norm_linear]
+    sections += [experimental.linear_cross_entropy, experimental.lora_sum, experimental.rms_norm]
+    for options in (*sections, config, experimental):
         assert dataclasses.is_dataclass(options)
         with pytest.raises(dataclasses.FrozenInstanceError):
-            options.__setattr__(dataclasses.fields(options)[0].name, None)
+            options.__setattr__(dataclasses.fields(options)[-1].name, None)
 
 
-def test_nested_dicts_and_dataclasses_build_the_same_config():
-    by_dict = fuser.FuserConfig(linear_cross_entropy={"dw_accumulator": "fp32"}, gated_mlp={})
-    by_class = fuser.FuserConfig(linear_cross_entropy=LinearCrossEntropyConfig(dw_accumulator="fp32"))
-    by_options = fuser.FuserConfig.from_options({"linear_cross_entropy": {"dw_accumulator": "fp32"}})
-    assert by_dict == by_class == by_options and hash(by_dict) == hash(by_class)
-    assert by_dict.linear_cross_entropy.dw_kernel == "cublas"  # the fields left out keep their defaults
-    assert fuser.backend({"linear_cross_entropy": {"dw_accumulator": "fp32"}}) is fuser.backend(by_class)  # as_config
+def test_nested_dicts_dotted_names_and_dataclasses_build_the_same_config():
+    by_dict = fuser.FuserConfig(
+        gated_mlp={"recompute_for_down_weight": False},
+        experimental={"linear_cross_entropy": {"dw_accumulator": "fp32"}},
+        upcast_linear={},
+    )
+    by_class = fuser.FuserConfig(
+        gated_mlp=GatedMLPConfig(recompute_for_down_weight=False),
+        experimental=ExperimentalConfig(linear_cross_entropy=LinearCrossEntropyExperimental(dw_accumulator="fp32")),
+    )
+    by_options = fuser.FuserConfig.from_options(
+        {"gated_mlp": {"recompute_for_down_weight": False}, "experimental.linear_cross_entropy.dw_accumulator": "fp32"}
+    )
+    by_dotted = fuser.FuserConfig.from_options(
+        {"gated_mlp.recompute_for_down_weight": False, "experimental": {"linear_cross_entropy.dw_accumulator": "fp32"}}
+    )
+    assert by_dict == by_class == by_options == by_dotted and hash(by_dict) == hash(by_class) == hash(by_dotted)
+    assert by_dict.experimental.linear_cross_entropy.dw_kernel == "cublas"  # the fields left out keep their defaults
+    dotted = {"gated_mlp.recompute_for_down_weight": False, "experimental.linear_cross_entropy.dw_accumulator": "fp32"}
+    assert fuser.backend(dotted) is fuser.backend(by_class)  # as_config
     assert fuser.backend(by_class) is not fuser.backend()
+    # dataclasses.replace keeps what it is not told to change, the patterns' options included
+    replaced = dataclasses.replace(by_class, strict=True)
+    assert replaced.strict and replaced.gated_mlp == by_class.gated_mlp
+    assert replaced.experimental == by_class.experimental
 
 
 @pytest.mark.parametrize(
     "options, error, text",
     [
-        ({"linear_cross_entropy": {"dw_kernel": "cutlass"}}, ValueError,
-         r"linear_cross_entropy.dw_kernel must be one of 'cublas', 'triton', got 'cutlass'; "
-         r"e.g. options=\{'linear_cross_entropy': \{'dw_kernel': 'triton'\}\}"),
-        ({"linear_cross_entropy": {"dw_accumulator": "bf16"}}, ValueError,
-         "linear_cross_entropy.dw_accumulator must be one of 'input', 'fp32', got 'bf16'"),
-        ({"linear_cross_entropy": {"streams": "0"}}, TypeError,
-         r"linear_cross_entropy.streams must be True or False, got '0'; "
-         r"e.g. options=\{'linear_cross_entropy': \{'streams': False\}\}"),
-        ({"causal_attention": {"gqa_fold": 1}}, TypeError, "causal_attention.gqa_fold must be True or False"),
-        ({"causal_attention": {"runtime_check": "yes"}}, TypeError, "causal_attention.runtime_check must be True"),
-        ({"gated_mlp": {"backward_in_place": None}}, TypeError, "gated_mlp.backward_in_place must be True or False"),
+        ({"experimental": {"linear_cross_entropy": {"dw_kernel": "cutlass"}}}, ValueError,
+         r"experimental.linear_cross_entropy.dw_kernel must be one of 'cublas', 'triton', got 'cutlass'; "
+         r"e.g. options=\{'experimental': \{'linear_cross_entropy': \{'dw_kernel': 'triton'\}\}\}"),
+        ({"experimental.linear_cross_entropy.dw_accumulator": "bf16"}, ValueError,
+         "experimental.linear_cross_entropy.dw_accumulator must be one of 'input', 'fp32', got 'bf16'"),
+        ({"experimental.linear_cross_entropy.streams": "0"}, TypeError,
+         r"experimental.linear_cross_entropy.streams must be True or False, got '0'; "
+         r"e.g. options=\{'experimental': \{'linear_cross_entropy': \{'streams': False\}\}\}"),
+        ({"experimental.causal_attention.gqa_fold": 1}, TypeError,
+         "experimental.causal_attention.gqa_fold must be True or False"),
+        ({"causal_attention": {"sliding_window": "yes"}}, TypeError, "causal_attention.sliding_window must be True"),
+        ({"experimental.gated_mlp.backward_in_place": None}, TypeError,
+         "experimental.gated_mlp.backward_in_place must be True or False"),
         ({"gated_mlp": {"recompute_for_down_weight": 0}}, TypeError, "gated_mlp.recompute_for_down_weight must be"),
-        ({"upcast_linear": {"triton": "off"}}, TypeError, "upcast_linear.triton must be True or False"),
+        ({"experimental.upcast_linear.triton": "off"}, TypeError, "experimental.upcast_linear.triton must be True"),
         ({"upcast_linear": {"recompute_gated_input": []}}, TypeError, "upcast_linear.recompute_gated_input must"),
-        ({"lora_sum": {"fp32_base": 1}}, TypeError, "lora_sum.fp32_base must be True or False"),
-        ({"linear_cross_entropy": {"dw_kernal": "triton"}}, ValueError,
-         r"unknown option\(s\) \['dw_kernal'\] in linear_cross_entropy; its options are "
+        ({"experimental.lora_sum.fp32_base": 1}, TypeError, "experimental.lora_sum.fp32_base must be True or False"),
+        ({"experimental.direct_calls": "no"}, TypeError, "experimental.direct_calls must be True or False"),
+        ({"experimental.linear_cross_entropy": {"dw_kernal": "triton"}}, ValueError,
+         r"unknown option\(s\) \['dw_kernal'\] in experimental.linear_cross_entropy; its options are "
          r"\['dw_accumulator', 'dw_kernel', 'streams'\]"),
         ({"gated_mlp": {"in_place": False}}, ValueError, r"unknown option\(s\) \['in_place'\] in gated_mlp"),
         ({"upcast_linear": False}, TypeError, r"upcast_linear takes a dict of its options"),
-        ({"causal_attention": ["gqa_fold"]}, TypeError, r"causal_attention takes a dict of its options"),
+        ({"causal_attention": ["sliding_window"]}, TypeError, r"causal_attention takes a dict of its options"),
         ({"causal": {"gqa_fold": True}}, ValueError, r"unknown option\(s\) \['causal'\]; FuserConfig fields are"),
+        ({"experimental": {"strict": True}}, ValueError,
+         r"unknown option\(s\) \['strict'\] in experimental; its options are \[.*'direct_calls'.*\]; strict is "
+         "not experimental: set it as strict"),
+        # a switch moved to the experimental namespace says where it went
+        ({"gated_mlp": {"backward_in_place": False}}, ValueError,
+         r"unknown option\(s\) \['backward_in_place'\] in gated_mlp; its options are \['recompute_for_down_weight'\]; "
+         r"gated_mlp.backward_in_place is experimental: set it as experimental.gated_mlp.backward_in_place"),
+        ({"linear_cross_entropy": {"streams": False}}, ValueError,
+         r"unknown option\(s\) \['linear_cross_entropy'\]; .*; linear_cross_entropy is experimental: set it as "
+         r"experimental.linear_cross_entropy"),
+        ({"direct_calls": False}, ValueError, "direct_calls is experimental: set it as experimental.direct_calls"),
+        ({"experimental.gated_mlp.recompute_for_down_weight": False}, ValueError,
+         "gated_mlp.recompute_for_down_weight is not experimental: set it as gated_mlp.recompute_for_down_weight"),
     ],
 )  # fmt: skip
 def test_options_are_validated_when_built(options, error, text):
@@ -395,42 +433,64 @@ def test_options_are_validated_when_built(options, error, text):
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=text) as raised:
         torch.compile(lambda x: x + 1, backend="fuser", options=options)(torch.ones(2))
     assert isinstance(raised.value.inner_exception, error)
-    if set(options) <= {f.name for f in dataclasses.fields(fuser.FuserConfig)}:
+    if set(options) <= set(fuser.FuserConfig.option_names()):
         with pytest.raises(error, match=text):
             fuser.FuserConfig(**options)
 
 
 def test_options_dataclasses_validate_themselves():
-    with pytest.raises(ValueError, match="linear_cross_entropy.dw_kernel must be one of"):
-        LinearCrossEntropyConfig(dw_kernel="cutlass")
-    with pytest.raises(TypeError, match="upcast_linear.triton must be True or False"):
-        UpcastLinearConfig(triton=1)
+    with pytest.raises(ValueError, match="experimental.linear_cross_entropy.dw_kernel must be one of"):
+        LinearCrossEntropyExperimental(dw_kernel="cutlass")
+    with pytest.raises(TypeError, match="experimental.upcast_linear.triton must be True or False"):
+        UpcastLinearExperimental(triton=1)
+    with pytest.raises(TypeError, match="gated_mlp.recompute_for_down_weight must be True or False"):
+        GatedMLPConfig(recompute_for_down_weight=1)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"linear_cross_entropy": {"dw_kernel": "triton"}},
-        {"linear_cross_entropy": {"dw_accumulator": "fp32"}},
-        {"linear_cross_entropy": {"streams": False}},
-        {"causal_attention": {"gqa_fold": False}},
-        {"causal_attention": {"runtime_check": True}},
-        {"gated_mlp": {"recompute_for_down_weight": False}},
-        {"gated_mlp": {"backward_in_place": False}},
-        {"upcast_linear": {"triton": False}},
-        {"upcast_linear": {"recompute_gated_input": False}},
-        {"lora_sum": {"fp32_base": False}},
-        {"rms_norm_linear": {"lora": True}},
-    ],
-    ids=lambda o: ".".join([*o, *next(iter(o.values()))]),
-)
+EVERY_SWITCH = [
+    {"experimental.linear_cross_entropy.dw_kernel": "triton"},
+    {"experimental.linear_cross_entropy.dw_accumulator": "fp32"},
+    {"experimental.linear_cross_entropy.streams": False},
+    {"experimental.causal_attention.gqa_fold": False},
+    {"experimental.causal_attention.runtime_check": True},
+    {"causal_attention.sliding_window": False},
+    {"causal_attention.block_sparse_masks": False},
+    {"gated_mlp.recompute_for_down_weight": False},
+    {"experimental.gated_mlp.backward_in_place": False},
+    {"experimental.gated_mlp.backward_writes_product": False},
+    {"upcast_linear.recompute_gated_input": False},
+    {"experimental.upcast_linear.triton": False},
+    {"experimental.upcast_linear.group_shared_inputs": False},
+    {"experimental.lora_sum.fp32_base": False},
+    {"experimental.lora_sum.gated_in_slices": True},
+    {"experimental.rms_norm.residual_add": False},
+    {"experimental.rms_norm.gradient_sums": False},
+    {"rms_norm_linear.lora": True},
+    {"experimental.direct_calls": False},
+    {"experimental.embedding_grads": False},
+]
+
+
+def test_every_switch_is_listed_here():
+    """EVERY_SWITCH names each option of a pattern and each experimental one: a new one joins the cache-key
+    check by being added there."""
+    config = fuser.FuserConfig()
+    names = [
+        f"{section}.{f.name}" for section in config.sections() for f in dataclasses.fields(getattr(config, section))
+    ]
+    names += [f"experimental.{name}" for name in ("direct_calls", "embedding_grads")]
+    names += [f"experimental.{section}.{f.name}" for section in ExperimentalConfig.sections()
+              for f in dataclasses.fields(getattr(config.experimental, section))]  # fmt: skip
+    assert sorted(names) == sorted(name for options in EVERY_SWITCH for name in options)
+
+
+@pytest.mark.parametrize("options", EVERY_SWITCH, ids=lambda o: next(iter(o)))
 def test_every_switch_is_in_the_inductor_cache_key(options):
     key = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig(), {}).uuid()
     changed = fuser.dynamo_backend._post_grad_pass(fuser.FuserConfig.from_options(options), {}).uuid()
     assert changed != key
-    ((section, fields),) = options.items()
-    ((name, value),) = fields.items()
-    assert f"{name}={value!r}" in repr(changed)
+    ((path, value),) = options.items()
+    assert f"{path.rsplit('.', 1)[-1]}={value!r}" in repr(changed)
 
 
 @pytest.mark.parametrize(

@@ -109,11 +109,11 @@ def test_explain_binds_a_symbolic_lora_scaling():
 def test_lora_sum_with_a_changed_lora_alpha_uses_each_models_scale():
     """bf16 base, fp32 adapters (lora_sum's case), lora_alpha 8 then 16 in one process: each model's step is
     eager's (up to the o/down sums kept fp32 into their residual adds, issue 16), far closer to it than to the
-    other alpha's. The other sums' fp32 bases (``LoraSumConfig.fp32_base``) are off: they move the step away from
-    eager's on purpose (towards fp32's), and this test's subject is the scale."""
+    other alpha's. The other sums' fp32 bases (``experimental.lora_sum.fp32_base``) are off: they move the step away
+    from eager's on purpose (towards fp32's), and this test's subject is the scale."""
     pytest.importorskip("peft")
     config = fuser.FuserConfig(
-        patterns=("lora_sum",), strict=True, inner_compiler="aot_eager", lora_sum={"fp32_base": False}
+        patterns=("lora_sum",), strict=True, inner_compiler="aot_eager", experimental={"lora_sum": {"fp32_base": False}}
     )
     backend = fuser.backend(config)
     eager = {alpha: _step(copy.deepcopy(lora(alpha, torch.bfloat16)), None) for alpha in (8, 16)}

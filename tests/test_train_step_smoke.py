@@ -235,14 +235,22 @@ def test_fuser_options_by_name_reach_the_config():
     args = argparse.Namespace(
         fuser_patterns="+lora_sum",
         fuser_inner_compiler="aot_eager",
-        fuser_option=["upcast_linear.triton=false", "linear_cross_entropy.dw_kernel=triton", "keep_logits=true"],
+        fuser_option=[
+            "experimental.upcast_linear.triton=false",
+            "experimental.linear_cross_entropy.dw_kernel=triton",
+            "keep_logits=true",
+            "gated_mlp.recompute_for_down_weight=false",
+        ],
     )
     config = model.fuser_config(args)
-    assert config.upcast_linear.triton is False and config.upcast_linear.recompute_gated_input is True
-    assert config.linear_cross_entropy.dw_kernel == "triton" and config.keep_logits is True
+    assert config.experimental.upcast_linear.triton is False and config.upcast_linear.recompute_gated_input is True
+    assert config.experimental.linear_cross_entropy.dw_kernel == "triton" and config.keep_logits is True
+    assert config.gated_mlp.recompute_for_down_weight is False
     assert config.inner_compiler == "aot_eager"
     with pytest.raises(ValueError, match="unknown option"):
-        model.fuser_config(argparse.Namespace(**{**vars(args), "fuser_option": ["upcast_linear.tritn=false"]}))
+        model.fuser_config(
+            argparse.Namespace(**{**vars(args), "fuser_option": ["experimental.upcast_linear.tritn=false"]})
+        )
 
 
 def test_tiny_autocast_job_keeps_fp32_weights_and_runs_its_forward_under_bf16_autocast(train_step, tmp_path):

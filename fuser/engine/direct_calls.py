@@ -12,10 +12,10 @@ So every functional ``fuser::<op>`` gets a second overload, ``fuser::<op>.direct
 same function registered as its kernel for every device, the same fake; no autograd formula (it is only ever
 called with grad mode off, from graphs past AOT autograd). The backend's post-grad pass retargets the calls of
 each compiled graph to it (:func:`retarget`), after the blocks' own post-grad passes, which look for the default
-overloads. ``FuserConfig(direct_calls=False)`` keeps the default overloads. Ops that mutate an input (the gated
-backward written in place, the dx accumulation: a call or two per layer, which the blocks' post-grad passes insert)
-keep their default overloads: retargeted, a checkpointed LoRA step computed the same bit for bit on CPU, but that has
-not run on a GPU yet.
+overloads. ``options={"experimental.direct_calls": False}`` keeps the default overloads. Ops that mutate an input
+(the gated backward written in place, the dx accumulation: a call or two per layer, which the blocks' post-grad
+passes insert) keep their default overloads: retargeted, a checkpointed LoRA step computed the same bit for bit on
+CPU, but that has not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from fuser.options import check_options_class
+
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
 
@@ -184,6 +186,14 @@ class Pattern:
     ``post_grad``: passes over Inductor's post-grad graphs for this block's fused ops (:class:`PostGradPass`). A
     fused op can reach a graph without its pattern (a model that calls ``fuser.swiglu`` itself), so the backend
     runs the passes of every registered pattern, enabled or not.
+    ``options``: the pattern's options, a frozen dataclass whose fields have defaults and a description each (the
+    docstring under the field; the class docstring describes them together). Once the pattern is registered,
+    ``FuserConfig(<name>={...})``, ``options={"<name>": {...}}`` or ``options={"<name>.<field>": ...}`` set them,
+    ``docs/options.md`` lists them, and ``check`` and the hooks read them as ``config.<name>.<field>``.
+    ``experimental_options``: the same under ``FuserConfig.experimental`` (``config.experimental.<name>``), for
+    switches that exist to compare implementations rather than for users to choose.
+    ``options_name``: the ``<name>`` both go by; the pattern's own name when ``None`` (swiglu, geglu and reglu share
+    ``gated_mlp``'s).
     """
 
     name: str
@@ -196,6 +206,14 @@ class Pattern:
     default: bool = True
     after_apply: Callable[..., int] | None = None
     post_grad: tuple[PostGradPass, ...] = ()
+    options: type | None = None
+    experimental_options: type | None = None
+    options_name: str | None = None
+
+    @property
+    def options_key(self) -> str:
+        """The name this pattern's options go by in ``FuserConfig`` and ``options=``."""
+        return self.options_name or self.name
 
 
 # every registered pattern by name (the keys of ``fuser.explain(...).counts``), in the order registered
@@ -203,7 +221,9 @@ PATTERNS: dict[str, Pattern] = {}
 
 
 def register_pattern(pattern: Pattern) -> Pattern:
-    """Make ``pattern`` known to the backend, ``fuser.explain`` and ``FuserConfig.patterns``; returns it.
+    """Make ``pattern`` known to the backend, ``fuser.explain`` and ``FuserConfig.patterns``, and its options (if it
+    declares any) to ``FuserConfig`` and ``options=``; returns it. Options that cannot be checked, or that take a name
+    another pattern's different options or FuserConfig itself hold, are refused here.
 
     At each node the engine tries the patterns in the order they were registered (those with ``runs_first`` over
     the whole graph before the others): the first whose check accepts a match there takes the node.
@@ -212,8 +232,32 @@ def register_pattern(pattern: Pattern) -> Pattern:
         raise TypeError(f"fuser: register_pattern takes a Pattern, got {type(pattern).__name__}")
     if PATTERNS.get(pattern.name, pattern) is not pattern:
         raise ValueError(f"fuser: another pattern is registered as {pattern.name!r}; give this one another name")
+    for kind in ("options", "experimental_options"):
+        cls = getattr(pattern, kind)
+        if cls is None:
+            continue
+        check_options_class(cls, pattern.options_key)
+        # patterns may share options (one block, several activations), never give one name two classes
+        for other in PATTERNS.values():
+            theirs = getattr(other, kind)
+            if other is not pattern and other.options_key == pattern.options_key and theirs not in (None, cls):
+                raise ValueError(
+                    f"fuser: pattern {other.name!r} has {kind} {theirs.__name__} under {pattern.options_key!r}; "
+                    f"give pattern {pattern.name!r} another options_name for its {cls.__name__}"
+                )
     PATTERNS[pattern.name] = pattern
     return pattern
+
+
+def registered_options(experimental: bool = False) -> dict[str, type]:
+    """The registered patterns' options classes (``Pattern.options``, or ``experimental_options``) by the name each
+    goes by, in the order the patterns were registered."""
+    found: dict[str, type] = {}
+    for pattern in PATTERNS.values():
+        cls = pattern.experimental_options if experimental else pattern.options
+        if cls is not None:
+            found.setdefault(pattern.options_key, cls)
+    return found
 
 
 def post_grad_passes(patterns: Iterable[Pattern]) -> tuple[PostGradPass, ...]:

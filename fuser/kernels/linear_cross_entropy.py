@@ -24,18 +24,17 @@ forward (as Liger-Kernel does) rather than by recomputing the logits in the back
 instead of 6. The backward only multiplies them by ``grad_output`` (eagerly: in place, in a Triton kernel that skips
 the pass when ``grad_output`` is 1, decided on the device). No host synchronisation: ``n_valid`` stays on the device.
 
-The weight gradient is accumulated over the chunks in the weight's dtype (``dw_accumulator="input"``, the
-default: no extra memory, one rounding of the running sum per chunk) or in fp32 (``"fp32"``: one extra ``[V, H]``
-fp32 buffer during the forward); the bf16 running sum's error was measured close to the fp32 one's, and the fp32
-sum slower (``docs/defaults.md``, ``linear_cross_entropy.dw_accumulator``). ``dw_kernel="triton"`` adds each
-chunk's share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as
-cuBLAS's ``addmm_`` does (half-precision accumulator only); it measured slower than cuBLAS at every shape, so it
-stays off, kept as a measured alternative (``docs/defaults.md``, ``linear_cross_entropy.dw_kernel``). With
-``streams=True`` (the default) the weight gradient's accumulation runs on a second CUDA stream, beside the
-``dhidden`` matmul.
+The weight gradient is accumulated over the chunks in the weight's dtype (``dw_accumulator="input"``, the default: no
+extra memory, one rounding of the running sum per chunk) or in fp32 (``"fp32"``: one extra ``[V, H]`` fp32 buffer during
+the forward); the bf16 running sum's error was measured close to the fp32 one's, and the fp32 sum slower
+(``docs/defaults.md``, ``experimental.linear_cross_entropy.dw_accumulator``). ``dw_kernel="triton"`` adds each chunk's
+share with a Triton kernel that reads the running sum's tile before its matmul instead of after it, as cuBLAS's
+``addmm_`` does (half-precision accumulator only); it measured slower than cuBLAS at every shape, so it stays off, kept
+as a measured alternative (``docs/defaults.md``, ``experimental.linear_cross_entropy.dw_kernel``). With ``streams=True``
+(the default) the weight gradient's accumulation runs on a second CUDA stream, beside the ``dhidden`` matmul.
 
 These three are arguments of the op (and keywords of :func:`linear_cross_entropy`); the ``linear_cross_entropy``
-pattern passes ``FuserConfig.linear_cross_entropy``'s values.
+pattern passes ``FuserConfig.experimental.linear_cross_entropy``'s values.
 
 Labels outside ``[0, V)`` that are not ``ignore_index``: on CPU the op raises what ``F.cross_entropy`` raises
 there (``IndexError: Target 256 is out of bounds.``), after a host check of the labels. On a GPU it does not

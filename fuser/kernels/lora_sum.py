@@ -16,9 +16,9 @@ This op computes the same values from the same inputs, in one kernel each way:
     da     = s · (g @ B)                               g read in its own dtype, fp32 sums
     dB     = s · (gᵀ @ a)
 
-With the Triton path (``fuser.kernels.upcast_linear``'s kernels and launch configurations: ≤ 64-rank fp32
-adapters, a half ``base``, on a GPU or through the interpreter; the ops' ``allow_triton=False`` switches it off,
-and the pattern passes ``FuserConfig.upcast_linear.triton``, the switch of the kernels it shares) nothing of size
+With the Triton path (``fuser.kernels.upcast_linear``'s kernels and launch configurations: ≤ 64-rank fp32 adapters, a
+half ``base``, on a GPU or through the interpreter; the ops' ``allow_triton=False`` switches it off, and the pattern
+passes ``FuserConfig.experimental.upcast_linear.triton``, the switch of the kernels it shares) nothing of size
 ``[tokens, out]`` is written in fp32. Elsewhere it computes exactly what the graph computed (the reference path).
 It saves ``a`` and ``B`` (what eager saves). Eager multiplies ``g`` by ``s`` before its two matmuls; the kernels
 multiply the fp32 sums by ``s`` after them: the same value within fp32 rounding.

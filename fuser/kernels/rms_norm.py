@@ -519,7 +519,8 @@ def _(x, weight, eps, offset, norm_dtype, out_dtype, x_wide=None):
 def rms_norm_backward_op(dy, x, weight, rstd, eps, offset, norm_dtype, compute_dweight, dx_dtype=None, dy2=None,
                          dy3=None, dy4=None):  # fmt: skip
     """(dx in ``dx_dtype``, default x's; dweight, or an empty tensor). ``dy2``, ``dy3``, ``dy4``: more terms of the
-    output gradient (``RmsNormConfig.gradient_sums``: the projections' input gradients), summed with dy in fp32."""
+    output gradient (``experimental.rms_norm.gradient_sums``: the projections' input gradients), summed with dy in
+    fp32."""
     norm = Norm(weight, eps, offset, norm_dtype)
     order = tt.row_order(x)
     dx = tt.empty_in_order(x.shape, order, dx_dtype or x.dtype, x.device)

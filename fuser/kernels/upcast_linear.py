@@ -13,14 +13,14 @@ the backward casts it again, transiently:
     dW     = dyᵀ @ x.to(W.dtype)           (rows of all leading dims flattened)
     db     = Σ dy
 
-A LoRA ``lora_A`` has few outputs (the rank, 8–64), and its three fp32 matmuls run on cuBLAS's CUDA-core kernels
-(no TF32), many times slower than reading ``x`` once (``docs/notes/kernels.md``, upcast linear). So on a GPU,
-weights of at most 64 rows take Triton kernels instead (the ops' ``allow_triton=False`` switches them off; the
-pattern passes ``FuserConfig.upcast_linear.triton``): they read ``x`` in its own dtype (no fp32 copy is written,
-not even transiently), their dots run on the tensor cores as ``tf32x3`` (fp32 accuracy: see ``CONFIGS``), and
-``dx`` is rounded to ``x``'s dtype in the kernel. The weight gradient is summed over the rows in fixed row blocks,
+A LoRA ``lora_A`` has few outputs (the rank, 8–64), and its three fp32 matmuls run on cuBLAS's CUDA-core kernels (no
+TF32), many times slower than reading ``x`` once (``docs/notes/kernels.md``, upcast linear). So on a GPU, weights of at
+most 64 rows take Triton kernels instead (the ops' ``allow_triton=False`` switches them off; the pattern passes
+``FuserConfig.experimental.upcast_linear.triton``): they read ``x`` in its own dtype (no fp32 copy is written, not even
+transiently), their dots run on the tensor cores as ``tf32x3`` (fp32 accuracy: see ``CONFIGS``), and ``dx`` is rounded
+to ``x``'s dtype in the kernel. The weight gradient is summed over the rows in fixed row blocks,
 partial sums added in a fixed order (deterministic). They measured several times faster than cuBLAS's fp32 path,
-with a smaller error against fp64 (``docs/defaults.md``, ``upcast_linear.triton``).
+with a smaller error against fp64 (``docs/defaults.md``, ``experimental.upcast_linear.triton``).
 """
 
 from __future__ import annotations

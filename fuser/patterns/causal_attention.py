@@ -40,16 +40,17 @@ expanded copies are what the backward then saves. With ``gqa_fold=True`` the rew
 and v with ``enable_gqa=True`` — the same function: query head ``h`` reads key/value head ``h // n_rep`` either way —
 when both are exactly that expansion (an ``expand`` of a new dim 2 merged into dim 1; ``repeat``'s tiling order or any
 other form is left as written). On by default since it was measured: less memory, no less speed
-(``docs/defaults.md``, ``causal_attention.gqa_fold``).
+(``docs/defaults.md``, ``experimental.causal_attention.gqa_fold``).
 
 A mask built from a graph input (the ``attention_mask`` the HF Trainer's collators pass, all ones when nothing is
-padded) cannot be proved at compile time. With ``runtime_check=True`` (off by default: not yet measured on a GPU)
+padded) cannot be proved at compile time. With ``runtime_check=True`` (experimental, off: not measured on a GPU)
 such a bool mask is compared with the causal mask on the device at every call, and ``torch.cond`` runs
 ``is_causal=True`` when they are equal, the masked call as written otherwise (not inside a checkpointed body, not
 with dropout).
 
-Both switches are :class:`CausalAttentionConfig` (``FuserConfig.causal_attention``,
-``options={"causal_attention": {"gqa_fold": False}}``).
+The window kernels and FlexAttention are :class:`CausalAttentionConfig`'s switches (``FuserConfig.causal_attention``,
+``options={"causal_attention": {"sliding_window": False}}``); the fold and the run-time check, kept to compare, are
+:class:`CausalAttentionExperimental`'s (``options={"experimental.causal_attention.gqa_fold": False}``).
 """
 
 from __future__ import annotations
@@ -77,16 +78,8 @@ Node = torch.fx.Node
 
 @dataclass(frozen=True)
 class CausalAttentionConfig:
-    """The causal-attention rewrite's switches (module docstring); each field is described under it."""
-
-    gqa_fold: bool = True
-    """A proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
-    ``enable_gqa=True``, so the backward saves them instead of the copies."""
-
-    runtime_check: bool = False
-    """A bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the device at
-    each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal. Inductor reads the ``cond``'s
-    predicate on the host: one synchronisation per call."""
+    """Which attention kernels the causal-attention rewrite runs for a mask it proves to be a sliding window, and for a
+    mask from the batch (module docstring)."""
 
     sliding_window: bool = True
     """A mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's window kernels
@@ -97,10 +90,28 @@ class CausalAttentionConfig:
     FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
     on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
     element by element. No host synchronisation, no assumption about the mask. Elsewhere (CPU, fp32) the masked SDPA
-    as written. ``runtime_check`` takes precedence."""
+    as written. ``experimental.causal_attention.runtime_check`` takes precedence."""
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")
+
+
+@dataclass(frozen=True)
+class CausalAttentionExperimental:
+    """The causal-attention rewrite's alternatives kept to compare: what it does with the ``repeat_kv`` copies of a
+    proved-causal call, and a run-time check of a mask from the batch (module docstring)."""
+
+    gqa_fold: bool = True
+    """A proved-causal call on transformers' ``repeat_kv`` copies gets the unexpanded k and v with
+    ``enable_gqa=True``, so the backward saves them instead of the copies."""
+
+    runtime_check: bool = False
+    """A bool mask computed from graph inputs (a padding mask) is compared with the causal mask on the device at
+    each call, and ``torch.cond`` runs ``is_causal=True`` when they are equal. Inductor reads the ``cond``'s
+    predicate on the host: one synchronisation per call."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "experimental.causal_attention")
 
 
 # the widest head block_sparse_sdpa gives FlexAttention: correct at 256 too, but its speed there is not measured
@@ -230,7 +241,7 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
         _check_window_operands(q, k, v, enable_gqa, window)
     if isinstance(verdict, str):
         # the run-time check and the block mask read the mask's own values, whatever its length
-        if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.runtime_check:
+        if verdict.startswith(INPUT_DEPENDENT) and config.experimental.causal_attention.runtime_check:
             return _runtime_checked(found)
         if verdict.startswith(INPUT_DEPENDENT) and config.causal_attention.block_sparse_masks:
             return _block_sparse(found)
@@ -244,7 +255,7 @@ def check_causal_attention(found: Found, variant: Variant, config: FuserConfig) 
 def _folded(k: Node, v: Node, enable_gqa: bool, config: FuserConfig) -> tuple[Node, Node, bool]:
     """``(k, v, enable_gqa)`` as the rewritten call takes them: transformers' ``repeat_kv`` copies replaced by the
     unexpanded k and v with ``enable_gqa=True`` where ``gqa_fold`` is on and both are exactly that expansion."""
-    if not enable_gqa and config.causal_attention.gqa_fold:
+    if not enable_gqa and config.experimental.causal_attention.gqa_fold:
         k_kv, v_kv = _unrepeated(k), _unrepeated(v)
         if k_kv and v_kv and k_kv[1] == v_kv[1] and k_kv[1] > 1:
             return k_kv[0], v_kv[0], True
@@ -412,4 +423,10 @@ VARIANTS = [
     ),
 ]
 
-CAUSAL_ATTENTION = Pattern("causal_attention", VARIANTS, check_causal_attention)
+CAUSAL_ATTENTION = Pattern(
+    "causal_attention",
+    VARIANTS,
+    check_causal_attention,
+    options=CausalAttentionConfig,
+    experimental_options=CausalAttentionExperimental,
+)

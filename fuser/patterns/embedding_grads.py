@@ -13,13 +13,13 @@ lm_head's gradient (scaled by the loss's gradient: fuser's fused loss computes i
 
 The op computes the same values (the scattered sum cast as the graph casts it, the lm_head's term in fp32, one
 rounding) in one pass that writes ``[V, H]`` once, instead of a zero fill, a scatter and a pass that reads the fp32
-buffer (what that saves: ``docs/defaults.md``, ``embedding_grads``).
+buffer (what that saves: ``docs/defaults.md``, ``experimental.embedding_grads``).
 
 A chain is taken only when the zero buffer and each intermediate are read by the next step alone, the buffer is
 2-D, the ids are one integer index tensor, and the values are shaped ``ids.shape + [H]``; the lm_head term is an
 add of one tensor of the gradient's shape and dtype (no alpha), optionally a product of such a tensor with a
-0-dim tensor read by that add alone. Declines are logged at debug level. ``FuserConfig.embedding_grads`` switches
-it (on).
+0-dim tensor read by that add alone. Declines are logged at debug level. ``FuserConfig.experimental.embedding_grads``
+switches it (on).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def apply_embedding_grads(graph: torch.fx.Graph, plan: list[_Chain]) -> int:
 
 
 def embedding_grads(config: FuserConfig) -> bool:
-    return config.embedding_grads
+    return config.experimental.embedding_grads
 
 
 PASS = PostGradPass("embedding_grads", plan_embedding_grads, apply_embedding_grads, embedding_grads)

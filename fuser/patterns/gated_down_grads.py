@@ -20,7 +20,7 @@ A pair is rewritten only when
   reads gate's or up's storage between them, since the fused op writes over them at the first call's place.
 
 The values are the same as the pair's: the product is formed as the forward kernel forms it. Off with
-``FuserConfig.gated_mlp.backward_writes_product=False``.
+``options={"experimental.gated_mlp.backward_writes_product": False}``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def apply_gated_down_grads(graph: torch.fx.Graph, plan: list) -> int:
 
 
 def backward_writes_product(config: FuserConfig) -> bool:
-    return config.gated_mlp.backward_writes_product
+    return config.experimental.gated_mlp.backward_writes_product
 
 
 PASS = PostGradPass("gated_down_grads", plan_gated_down_grads, apply_gated_down_grads, backward_writes_product)

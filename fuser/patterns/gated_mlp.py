@@ -21,11 +21,11 @@ anywhere else, or the product feeds anything but a projection. A custom ``torch.
 projection when its forward multiplies the product by a matrix: under QLoRA the down projection is bitsandbytes'
 ``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
 
-Two refinements after the rewrite, each switched by :class:`GatedMLPConfig` (``FuserConfig.gated_mlp``,
-``options={"gated_mlp": {...}}``, for swiglu, geglu and reglu): a trainable down projection fed the fused product
-recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it, and Inductor's post-grad
-graphs write the gated backward's gradients over its inputs where nobody can observe it
-(``fuser.patterns.gated_mlp_inplace``, this pattern's ``post_grad`` passes).
+Two refinements after the rewrite, for swiglu, geglu and reglu: a trainable down projection fed the fused product
+recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it (:class:`GatedMLPConfig`,
+``FuserConfig.gated_mlp``, ``options={"gated_mlp": {...}}``), and Inductor's post-grad graphs write the gated
+backward's gradients over its inputs where nobody can observe it (``fuser.patterns.gated_mlp_inplace``, this
+pattern's ``post_grad`` passes; :class:`GatedMLPExperimental`, ``FuserConfig.experimental.gated_mlp``).
 """
 
 from __future__ import annotations
@@ -53,13 +53,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GatedMLPConfig:
-    """What the gated MLP's fused op (swiglu, geglu) does beyond the forward it replaces; each field is described
-    under it."""
+    """What the gated MLP's fused op (``swiglu``, ``geglu`` and ``reglu`` alike) does beyond the forward it
+    replaces."""
 
     recompute_for_down_weight: bool = True
     """A trainable down projection fed the fused product becomes ``fuser::linear_gated``, whose backward recomputes
     the product for its weight gradient instead of saving it: one ``[tokens, intermediate]`` activation per layer
     fewer."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "gated_mlp")
+
+
+@dataclass(frozen=True)
+class GatedMLPExperimental:
+    """How the gated MLP's backward writes its gradients: each way kept to compare with the one it replaced."""
 
     backward_in_place: bool = True
     """Inductor's post-grad graphs write the gated backward's dgate and dup over gate and up, and add the down
@@ -67,12 +75,12 @@ class GatedMLPConfig:
     (``fuser.patterns.gated_mlp_inplace``)."""
 
     backward_writes_product: bool = True
-    """Where the down projection recomputes the product for its weight gradient (``recompute_for_down_weight``), the
-    gated backward's kernel writes the product instead, over the product's gradient once read: one op, and one pass
-    over gate and up fewer (``fuser.patterns.gated_down_grads``)."""
+    """Where the down projection recomputes the product for its weight gradient
+    (``gated_mlp.recompute_for_down_weight``), the gated backward's kernel writes the product instead, over the
+    product's gradient once read: one op, and one pass over gate and up fewer (``fuser.patterns.gated_down_grads``)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "gated_mlp")
+        check_fields(self, "experimental.gated_mlp")
 
 
 def _maybe_lora(name: str) -> OneOf:
@@ -492,6 +500,9 @@ SWIGLU = Pattern(
     anchors=frozenset({"silu"}),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    experimental_options=GatedMLPExperimental,
+    options_name="gated_mlp",  # one set of options for every activation
 )
 GEGLU = Pattern(
     "geglu",
@@ -500,6 +511,9 @@ GEGLU = Pattern(
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    experimental_options=GatedMLPExperimental,
+    options_name="gated_mlp",  # one set of options for every activation
 )
 REGLU = Pattern(
     "reglu",
@@ -508,4 +522,7 @@ REGLU = Pattern(
     anchors=frozenset(),
     after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"relu", "relu2"})),
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+    options=GatedMLPConfig,
+    experimental_options=GatedMLPExperimental,
+    options_name="gated_mlp",  # one set of options for every activation
 )

@@ -26,8 +26,8 @@ into it instead (same rounding as the ``add``), at the ``add``'s place: two such
 Inductor orders the earlier reads of a mutated tensor before the mutating kernel (its scheduler tracks mutations
 of fallback kernels' arguments), the same mechanism its own re-inplacing of ``auto_functionalized`` relies on.
 
-``FuserConfig.gated_mlp.backward_in_place=False`` (``options={"gated_mlp": {"backward_in_place": False}}``)
-switches both rewrites off: each of :data:`PASSES` is then not enabled.
+``options={"experimental.gated_mlp.backward_in_place": False}`` switches both rewrites off: each of :data:`PASSES` is
+then not enabled.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def accumulate_gated_dx(graph: torch.fx.Graph) -> int:
 
 
 def backward_in_place(config: FuserConfig) -> bool:
-    return config.gated_mlp.backward_in_place
+    return config.experimental.gated_mlp.backward_in_place
 
 
 # the post-grad passes of swiglu and geglu, in the order they run. The backend catches a failing plan (which has not

@@ -33,8 +33,10 @@ is taken from the graph: the op's ``logit_scale``/``softcap`` argument is that n
 Under autocast the linear runs in a lower precision than its fp32 operands: the op gets them cast to that dtype
 (custom ops see no autocast), as eager's linear does.
 
-How the op accumulates the weight gradient is :class:`LinearCrossEntropyConfig` (``FuserConfig.linear_cross_entropy``,
-``options={"linear_cross_entropy": {...}}``), passed to the op as its keyword arguments of those names.
+How the op accumulates the weight gradient is :class:`LinearCrossEntropyExperimental`
+(``FuserConfig.experimental.linear_cross_entropy``, ``options={"experimental.linear_cross_entropy.<name>": ...}``),
+passed to the op as its keyword arguments of those names: each default won a measurement, and the others are kept to
+measure against.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ Node = torch.fx.Node
 
 
 @dataclass(frozen=True)
-class LinearCrossEntropyConfig:
-    """How the fused lm_head + cross-entropy forms the weight gradient (``fuser/kernels/linear_cross_entropy.py``);
-    each field is described under it."""
+class LinearCrossEntropyExperimental:
+    """How the fused lm_head + cross-entropy forms the lm_head's weight gradient
+    (``fuser/kernels/linear_cross_entropy.py``): the ways measured against each other to choose the default."""
 
     dw_kernel: DwKernel = "cublas"
     """What adds each chunk's share to the weight gradient's running sum: ``"cublas"`` (``addmm_``) or ``"triton"``
@@ -90,7 +92,7 @@ class LinearCrossEntropyConfig:
     are wanted): the memory-bound accumulation overlaps the compute-bound matmul, at no extra memory."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "linear_cross_entropy")
+        check_fields(self, "experimental.linear_cross_entropy")
 
 
 def _constant(name: str) -> OneOf:
@@ -328,7 +330,7 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
 
     # autocast ran the linear in a lower precision than its operands: the op gets them in that dtype
     compute = logits_t.dtype
-    options = config.linear_cross_entropy
+    options = config.experimental.linear_cross_entropy
     return Replacement(
         torch.ops.fuser.linear_cross_entropy.default,
         (
@@ -356,6 +358,7 @@ LINEAR_CROSS_ENTROPY = Pattern(
     check_linear_cross_entropy,
     anchors=frozenset({"cross_entropy"}),
     judges_outside_uses=True,
-    # the embedding's gradient, which a tied lm_head's gradient joins (any embedding's: FuserConfig.embedding_grads)
+    # the embedding's gradient, which a tied lm_head's gradient joins (any embedding's: experimental.embedding_grads)
     post_grad=(EMBEDDING_GRADS_PASS,),
+    experimental_options=LinearCrossEntropyExperimental,
 )

@@ -47,8 +47,9 @@ log = logging.getLogger("fuser")
 
 
 @dataclass(frozen=True)
-class LoraSumConfig:
-    """How a LoRA sum that must be stored rounded, or kept in fp32, is computed; each field is described under it."""
+class LoraSumExperimental:
+    """How a LoRA sum is computed where it must be stored rounded or kept in fp32: the ways measured against each
+    other."""
 
     fp32_base: bool = True
     """A sum that no fused consumer reads unrounded (v_proj's, read by attention) adds its LoRA term to the base
@@ -66,7 +67,7 @@ class LoraSumConfig:
     little speed."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "lora_sum")
+        check_fields(self, "experimental.lora_sum")
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,8 @@ def _autocast_adapter(found: Found) -> UpcastLinearOf:
 
 
 def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
-    """The op runs upcast_linear's Triton kernels: ``config.upcast_linear.triton`` switches both (its refinements
-    carry ``allow_triton`` over to the ops they make)."""
+    """The op runs upcast_linear's Triton kernels: ``config.experimental.upcast_linear.triton`` switches both (its
+    refinements carry ``allow_triton`` over to the ops they make)."""
     b = found.bindings
     base, w, out = (tensor_meta(v) for v in (b["base"], b["w"], found.root))
     if base is None or w is None or out is None:
@@ -154,7 +155,7 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
     if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
         raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")
     if variant.params.autocast:
-        adapter = dataclasses.replace(_autocast_adapter(found), allow_triton=config.upcast_linear.triton)
+        adapter = dataclasses.replace(_autocast_adapter(found), allow_triton=config.experimental.upcast_linear.triton)
         b = {**b, "a": adapter}
         x = tensor_meta(adapter.source)
         a = x.new_empty((*x.shape[:-1], w.shape[1]), dtype=torch.float32)
@@ -178,7 +179,7 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
     return Replacement(
         torch.ops.fuser.lora_sum.default,
         (b["base"], b["a"], b["w"], scale, round_term),
-        kwargs={"allow_triton": config.upcast_linear.triton},
+        kwargs={"allow_triton": config.experimental.upcast_linear.triton},
         emits_also=("upcast_linear",) if variant.params.autocast else (),
     )
 
@@ -460,7 +461,7 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
     """A LoRA sum still rounded (no consumer took its fp32 value: v_proj's, read by attention) whose base is a
     linear read by nothing else → the base becomes ``fuser::linear_wide`` (its fp32 output, not rounded) and the
     sum rounds once: a LoRA term below half the base's ulp moves the rounded sum as often as it would move an
-    fp32 model's, instead of never (``LoraSumConfig.fp32_base``). Returns how many sums."""
+    fp32 model's, instead of never (``experimental.lora_sum.fp32_base``). Returns how many sums."""
     n = 0
     for node in _rounded_sums(graph):
         base = node.args[0]
@@ -485,7 +486,7 @@ def sum_from_fp32_bases(graph: torch.fx.Graph) -> int:
 def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -> int:
     """The refinements that keep a LoRA sum's fp32 value where its consumer would (a bf16 rounding of the sum
     erases a LoRA term below half the base's ulp), then, for the sums
-    that stay rounded, the base's fp32 value (``LoraSumConfig.fp32_base``)."""
+    that stay rounded, the base's fp32 value (``experimental.lora_sum.fp32_base``)."""
     _drop_dead_casts(graph)
     n = (
         keep_wide_sums_for_gated_ops(graph)
@@ -493,7 +494,7 @@ def refine_lora_sums(graph: torch.fx.Graph, config: FuserConfig | None = None) -
         + sum_into_rope(graph)
         + sum_into_norms(graph)
     )
-    if config is None or config.lora_sum.fp32_base:
+    if config is None or config.experimental.lora_sum.fp32_base:
         n += sum_from_fp32_bases(graph)
     return n
 
@@ -590,7 +591,7 @@ def apply_gated_sums(graph: torch.fx.Graph, plan: list[GatedSums]) -> int:
 
 
 def gated_in_slices(config: FuserConfig) -> bool:
-    return config.lora_sum.gated_in_slices
+    return config.experimental.lora_sum.gated_in_slices
 
 
 LORA_SUM = Pattern(
@@ -600,4 +601,5 @@ LORA_SUM = Pattern(
     runs_first=True,
     after_apply=refine_lora_sums,
     post_grad=(PostGradPass("gated_sums_in_slices", plan_gated_sums, apply_gated_sums, gated_in_slices),),
+    experimental_options=LoraSumExperimental,
 )

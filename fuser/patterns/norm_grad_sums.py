@@ -8,7 +8,7 @@ backward graph before its own backward reads them:
     s = s + dv @ Wv
     dx, dw = fuser::rms_norm_backward(s, x, …)          (or add_rms_norm_backward)
 
-With ``RmsNormConfig.gradient_sums`` the norm's backward takes the terms instead (``dy2`` to ``dy4``: at most
+With ``experimental.rms_norm.gradient_sums`` the norm's backward takes the terms instead (``dy2`` to ``dy4``: at most
 four terms in all) and adds them in fp32 as it loads them: the sum is never written, read back, or rounded to the
 gradient's dtype (bf16 under full fine-tuning) before the norm's backward uses it. A sum is taken only when
 
@@ -16,8 +16,8 @@ gradient's dtype (bf16 under full fine-tuning) before the norm's backward uses i
   dtype and shape (no alpha, no broadcast), and is read by nothing but the next add;
 - nothing between the first add and the norm's backward mutates a tensor (the terms are read later than before).
 
-Declines are logged at debug level. On by default (``RmsNormConfig.gradient_sums``; what it measured:
-``docs/defaults.md``, ``rms_norm.gradient_sums``).
+Declines are logged at debug level. On by default (``experimental.rms_norm.gradient_sums``; what it measured:
+``docs/defaults.md``, ``experimental.rms_norm.gradient_sums``).
 
 A second pass, ``norm_grad_upcasts`` (the same switch), runs after it: where every term the norm's backward reads is
 an exact upcast to fp32 of a half-precision tensor (``convert_element_type(t, fp32)``, t bf16 or fp16, all of one
@@ -155,7 +155,7 @@ def apply_norm_grad_upcasts(graph: torch.fx.Graph, plan: list) -> int:
 
 
 def gradient_sums(config: FuserConfig) -> bool:
-    return config.rms_norm.gradient_sums
+    return config.experimental.rms_norm.gradient_sums
 
 
 PASS = PostGradPass("norm_grad_sums", plan_norm_grad_sums, apply_norm_grad_sums, gradient_sums)

@@ -61,7 +61,7 @@ log = logging.getLogger("fuser")
 
 @dataclass(frozen=True)
 class RmsNormLinearConfig:
-    """The ``rms_norm_linear`` pattern's switch, described under it."""
+    """Which norms the ``rms_norm_linear`` pattern (a norm fused with the projections that read it) takes."""
 
     lora: bool = False
     """Also take the norms whose output peft's LoRA A adapters read (besides frozen bases): their weight gradients
@@ -74,9 +74,9 @@ class RmsNormLinearConfig:
 
 
 @dataclass(frozen=True)
-class RmsNormConfig:
-    """The ``rms_norm`` pattern's switches (they hold for the norms ``rms_norm_linear`` takes too); each field is
-    described under it."""
+class RmsNormExperimental:
+    """What a fused RMSNorm takes in besides the norm (it holds for the norms ``rms_norm_linear`` takes too): each
+    kept to compare with the separate kernels it replaced."""
 
     residual_add: bool = True
     """A residual add of two tensors of one dtype (fp16, bf16 or fp32) and shape whose sum a fused norm reads (every
@@ -97,7 +97,7 @@ class RmsNormConfig:
     reads them unwidened and widens them as it loads them (the post-grad pass ``norm_grad_upcasts``)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "rms_norm")
+        check_fields(self, "experimental.rms_norm")
 
 
 h = V("h")
@@ -474,18 +474,18 @@ def _dead_cast(node: torch.fx.Node) -> bool:
 
 
 def add_residuals_into_norms(graph: torch.fx.Graph, config: FuserConfig) -> int:
-    """``y, rstd = rms_norm(a + b, …)`` → ``y, rstd, h = add_rms_norm(a, b, …)`` (``RmsNormConfig.residual_add``),
-    where the add (``operator.add``, ``torch.add`` or ``Tensor.add``, no alpha) sums two tensors of one fp16/bf16/
-    fp32 dtype and one shape (or, under autocast with fp32 weights, an fp32 and a half-precision one into an fp32
-    sum, which the op computes as eager does), and this norm is the only one that reads it: its other readers (the
-    residual stream) read ``h``, the same sum rounded once as the add rounds it. The op normalises the sum before
-    that rounding, as Inductor computes an add fused with a norm, and its backward adds ``h``'s own gradient to the
-    norm's input gradient in fp32 with one rounding (``fuser/kernels/rms_norm.py``), so that a decoder layer's
-    residual add costs no kernel of its own either way. Covers the norms of ``rms_norm`` and ``rms_norm_linear``
-    alike (``linear_normed``'s rebuild then reads ``h``); a norm given an fp32 ``x_wide``, or whose add sums a LoRA
-    sum (lora_sum's refinements take those), is left as it is. Returns how many norms; a declined one is logged at
-    debug level with the reason."""
-    if not config.rms_norm.residual_add:
+    """``y, rstd = rms_norm(a + b, …)`` → ``y, rstd, h = add_rms_norm(a, b, …)``
+    (``experimental.rms_norm.residual_add``), where the add (``operator.add``, ``torch.add`` or ``Tensor.add``, no
+    alpha) sums two tensors of one fp16/bf16/fp32 dtype and one shape (or, under autocast with fp32 weights, an
+    fp32 and a half-precision one into an fp32 sum, which the op computes as eager does), and this norm is the only
+    one that reads it: its other readers (the residual stream) read ``h``, the same sum rounded once as the add
+    rounds it. The op normalises the sum before that rounding, as Inductor computes an add fused with a norm, and
+    its backward adds ``h``'s own gradient to the norm's input gradient in fp32 with one rounding
+    (``fuser/kernels/rms_norm.py``), so that a decoder layer's residual add costs no kernel of its own either way.
+    Covers the norms of ``rms_norm`` and ``rms_norm_linear`` alike (``linear_normed``'s rebuild then reads ``h``); a
+    norm given an fp32 ``x_wide``, or whose add sums a LoRA sum (lora_sum's refinements take those), is left as it
+    is. Returns how many norms; a declined one is logged at debug level with the reason."""
+    if not config.experimental.rms_norm.residual_add:
         return 0
     n = 0
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -536,6 +536,7 @@ RMS_NORM = Pattern(
     anchors=frozenset({"rsqrt", "rms_norm"}),
     after_apply=add_residuals_into_norms,
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
+    experimental_options=RmsNormExperimental,
 )
 
 # on by default: under full fine-tuning it lowers the peak and costs no speed (docs/defaults.md, rms_norm_linear); for
@@ -546,4 +547,5 @@ RMS_NORM_LINEAR = Pattern(
     check_rms_norm_linear,
     after_apply=rebuild_and_add_residuals,
     post_grad=(GRAD_SUMS_PASS, GRAD_UPCASTS_PASS, OUTPUT_CASTS_PASS),
+    options=RmsNormLinearConfig,
 )

@@ -18,9 +18,11 @@ the backward writes one ``dx`` (the adapters' terms summed in fp32, rounded once
 rounded and then added. Fewer, wider kernels and op calls. The values are the same dots; ``x``'s gradient is
 rounded once instead of once per adapter.
 
-All are switched by :class:`UpcastLinearConfig` (``FuserConfig.upcast_linear``,
-``options={"upcast_linear": {...}}``): ``triton`` is passed to the op as ``allow_triton=`` (and to lora_sum's,
-which runs the same kernels), ``recompute_gated_input`` and ``group_shared_inputs`` decide the refinements.
+The recompute is :class:`UpcastLinearConfig`'s ``recompute_gated_input`` (``FuserConfig.upcast_linear``,
+``options={"upcast_linear": {...}}``), a memory-for-speed trade. The kernels and the grouping are
+:class:`UpcastLinearExperimental`'s (``FuserConfig.experimental.upcast_linear``), kept to compare: ``triton`` is
+passed to the op as ``allow_triton=`` (and to lora_sum's, which runs the same kernels), ``group_shared_inputs``
+decides the grouping.
 """
 
 from __future__ import annotations
@@ -48,23 +50,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class UpcastLinearConfig:
-    """The upcast linear's (and lora_sum's) kernels and refinements; each field is described under it."""
+    """What the upcast linear (peft's LoRA A under a half-precision base) saves for its backward."""
+
+    recompute_gated_input: bool = True
+    """An upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection) recomputes the product
+    in its backward instead of saving it."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "upcast_linear")
+
+
+@dataclass(frozen=True)
+class UpcastLinearExperimental:
+    """The upcast linear's (and lora_sum's) kernels, and the grouping of adapters that share an input: each kept to
+    compare with what it replaced."""
 
     triton: bool = True
     """On a GPU, weights of at most 64 rows (LoRA ranks) take fuser's Triton kernels
     (``fuser/kernels/upcast_linear.py``; lora_sum's op runs the same kernels); ``False`` keeps cuBLAS's fp32
     matmuls, which are much slower for such thin weights."""
 
-    recompute_gated_input: bool = True
-    """An upcast linear fed a gated MLP's fused product (peft's LoRA A of the down projection) recomputes the product
-    in its backward instead of saving it."""
-
     group_shared_inputs: bool = True
     """Upcast linears of one input (peft's LoRA A of q/k/v, of gate/up) become one op on their concatenated weights
     (at most 64 rows), its output sliced per adapter: the input read once each way, one ``dx``."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "upcast_linear")
+        check_fields(self, "experimental.upcast_linear")
 
 
 VARIANTS = [Variant("upcast input", Op("linear", Op("to", V("x"), C("dtype")), V("w"), OneOf(V("b"), None)))]
@@ -76,7 +87,7 @@ def check_upcast_linear(found: Found, variant: Variant, config: FuserConfig) -> 
     decline = why_not_upcast(b["x"], b["dtype"], b["w"], found.root, bias)
     if decline is not None:
         raise decline
-    allow_triton = {"allow_triton": config.upcast_linear.triton}
+    allow_triton = {"allow_triton": config.experimental.upcast_linear.triton}
     return Replacement(torch.ops.fuser.upcast_linear.default, (b["x"], b["w"], bias), allow_triton)
 
 
@@ -132,8 +143,8 @@ def _groupable(node: torch.fx.Node) -> bool:
 def group_shared_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
     """``upcast_linear(x, W_i)`` for several ``W_i`` of one ``x`` (and the same options) → ``y =
     upcast_linear(x, cat(W_i))`` and ``narrow(y, -1, …)`` in each one's place, unless
-    ``config.upcast_linear.group_shared_inputs`` is off; returns how many calls were grouped."""
-    if not config.upcast_linear.group_shared_inputs:
+    ``config.experimental.upcast_linear.group_shared_inputs`` is off; returns how many calls were grouped."""
+    if not config.experimental.upcast_linear.group_shared_inputs:
         return 0
     by_input: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
@@ -208,4 +219,11 @@ def refine_upcast_linears(graph: torch.fx.Graph, config: FuserConfig) -> int:
     )
 
 
-UPCAST_LINEAR = Pattern("upcast_linear", VARIANTS, check_upcast_linear, after_apply=refine_upcast_linears)
+UPCAST_LINEAR = Pattern(
+    "upcast_linear",
+    VARIANTS,
+    check_upcast_linear,
+    after_apply=refine_upcast_linears,
+    options=UpcastLinearConfig,
+    experimental_options=UpcastLinearExperimental,
+)

@@ -848,7 +848,8 @@ def test_add_rms_norm_refuses_a_residual_its_sum_would_round(x_dtype, residual_d
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The output gradient as a sum of terms (RmsNormConfig.gradient_sums): dy + dy2 (+ dy3, dy4) summed in the kernel
+# The output gradient as a sum of terms (experimental.rms_norm.gradient_sums): dy + dy2 (+ dy3, dy4), summed in
+# the kernel
 # ---------------------------------------------------------------------------------------------------------
 
 

@@ -1,9 +1,9 @@
-"""Tier 3: ``FuserConfig.embedding_grads`` (the post-grad pass ``embedding_grads``, on by default): the embedding's
-weight gradient, with a tied lm_head's gradient added, is one op (``fuser::embedding_grad``). Through Inductor on CPU
-(caches off, so the post-grad passes run): one rewrite per embedding with a gradient, and the training step equal
-bit for bit to the step without it: fp32, tied and untied, a padding row, GPT-2's two embeddings; bf16 tied
-(Inductor's fused kernel rounds once, as the op does). Checked the same way by hand on Gemma, Qwen2, OPT, Phi,
-GPT-NeoX and Bloom (2026-12-03): all equal."""
+"""Tier 3: ``FuserConfig.experimental.embedding_grads`` (the post-grad pass ``embedding_grads``, on by default): the
+embedding's weight gradient, with a tied lm_head's gradient added, is one op (``fuser::embedding_grad``). Through
+Inductor on CPU (caches off, so the post-grad passes run): one rewrite per embedding with a gradient, and the training
+step equal bit for bit to the step without it: fp32, tied and untied, a padding row, GPT-2's two embeddings; bf16 tied
+(Inductor's fused kernel rounds once, as the op does). Checked the same way by hand on Gemma, Qwen2, OPT, Phi, GPT-NeoX
+and Bloom (2026-12-03): all equal."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import fuser
 from tests.models.tiny import assert_same_step, batch, from_config, grads, rel
 
 ON = fuser.FuserConfig(strict=True)
-OFF = fuser.FuserConfig(strict=True, embedding_grads=False)
+OFF = fuser.FuserConfig(strict=True, experimental={"embedding_grads": False})
 PAD = 5
 
 

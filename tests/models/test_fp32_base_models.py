@@ -1,5 +1,5 @@
 """Tier 3: a LoRA sum that must be stored rounded (v_proj's, read by attention) adds its term to the base linear's
-unrounded fp32 output and rounds once (``LoraSumConfig.fp32_base``, issue 16). Rounding the bf16 base first, as
+unrounded fp32 output and rounds once (``experimental.lora_sum.fp32_base``, issue 16). Rounding the bf16 base first, as
 peft's graph does under eager and Inductor, puts it on the bf16 grid, so a LoRA term below half an ulp never moves
 the rounded sum: at LoRA learning rates most of v_proj's early update is lost to the forward."""
 
@@ -136,7 +136,9 @@ def test_llama_v_sums_round_once_and_the_step_is_as_close_to_fp32_as_eager(fp32_
     model = with_lora(build("llama", torch.bfloat16))
     loss32, grads32 = step(copy.deepcopy(model).float())
     loss16, grads16 = step(copy.deepcopy(model))
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", lora_sum={"fp32_base": fp32_base})
+    config = fuser.FuserConfig(
+        strict=True, inner_compiler="aot_eager", experimental={"lora_sum": {"fp32_base": fp32_base}}
+    )
     loss, got = step(model, config)
     wide = [n for gm in rewritten for n in gm.graph.nodes if n.target is OPS.linear_wide.default]
     assert len(wide) == (N_LAYERS if fp32_base else 0)

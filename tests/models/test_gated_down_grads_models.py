@@ -19,7 +19,7 @@ from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpoi
 pytestmark = XDIST_GROUP
 
 INDUCTOR = fuser.FuserConfig(strict=True)
-OFF = fuser.FuserConfig.from_options({"strict": True, "gated_mlp": {"backward_writes_product": False}})
+OFF = fuser.FuserConfig.from_options({"strict": True, "experimental.gated_mlp.backward_writes_product": False})
 ARCHS = [("llama", "swiglu"), ("gemma", "geglu")]
 
 

@@ -36,7 +36,7 @@ pytestmark = XDIST_GROUP
 INDUCTOR = fuser.FuserConfig(strict=True)  # the default inner compiler
 INDUCTOR_LENIENT = fuser.FuserConfig()
 # the same with the passes switched off, by name as a trainer's options= would
-NOT_IN_PLACE = {"gated_mlp": {"backward_in_place": False}}
+NOT_IN_PLACE = {"experimental.gated_mlp.backward_in_place": False}
 INDUCTOR_OFF = fuser.FuserConfig.from_options({"strict": True, **NOT_IN_PLACE})
 # the gated MLP's own passes; lora_sum's gated_sums_in_slices (its own tests: test_gated_sums_models.py) runs
 # beside them in every config here

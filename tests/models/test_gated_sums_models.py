@@ -1,5 +1,5 @@
 """Tier 3: a LoRA model's gated MLP computes its fp32 gate/up sums and their product in row slices
-(``LoraSumConfig.gated_in_slices``, the post-grad pass ``gated_sums_in_slices``): one
+(``experimental.lora_sum.gated_in_slices``, the post-grad pass ``gated_sums_in_slices``): one
 ``fuser::gated_activation_of_lora_sums`` per layer in the forward graph, and one more per layer in the backward
 graph's recomputation under gradient checkpointing. Through Inductor on CPU (its graph caches off, so the
 post-grad passes run), with slices of a few rows: the training step is the one with the pass switched off, bit
@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 # of tests/models/inductor_steps.py (each computed once there)
 pytestmark = XDIST_GROUP
 
-ON = fuser.FuserConfig.from_options({"strict": True, "lora_sum": {"gated_in_slices": True}})
+ON = fuser.FuserConfig.from_options({"strict": True, "experimental.lora_sum.gated_in_slices": True})
 OFF = fuser.FuserConfig(strict=True)  # the default: off until measured on a GPU
 PASS = "gated_sums_in_slices"
 

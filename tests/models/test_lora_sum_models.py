@@ -32,8 +32,8 @@ def test_on_by_default_and_counted():
 def test_alone_it_is_eager_except_the_residual_sums_kept_fp32():
     """Alone (no gated op, no RoPE op to feed), lora_sum computes peft's sums as eager does, except that the o and
     down sums, which feed residual adds, stay fp32 and the add rounds once, as Inductor computes them, and every
-    other sum adds its term to its base's fp32 output and rounds once (``LoraSumConfig.fp32_base``; issue 16). So
-    the step is no longer eager's bit for bit: it is at least as close to fp32's."""
+    other sum adds its term to its base's fp32 output and rounds once (``experimental.lora_sum.fp32_base``; issue 16).
+    So the step is no longer eager's bit for bit: it is at least as close to fp32's."""
     config = fuser.FuserConfig(patterns=("lora_sum",), strict=True, inner_compiler="aot_eager")
     model = lora_model()
     loss32, grads32 = lora_step(copy.deepcopy(model).float())

@@ -1,8 +1,8 @@
-"""Tier 3: ``RmsNormConfig.gradient_sums`` (the post-grad pass ``norm_grad_sums``, on by default): a fused norm's
-output gradient, which the backward graph forms as the sum of the input gradients of the projections the norm feeds
-(q, k and v; gate and up), is summed by the norm's backward kernel instead of an add kernel before it. Through
-Inductor on CPU (its caches off, so the post-grad passes run): one rewrite per norm that feeds projections, fp32
-steps equal bit for bit to the steps without it, bf16 steps as close to an fp32 copy as without it."""
+"""Tier 3: ``experimental.rms_norm.gradient_sums`` (the post-grad pass ``norm_grad_sums``, on by default): a fused
+norm's output gradient, which the backward graph forms as the sum of the input gradients of the projections the norm
+feeds (q, k and v; gate and up), is summed by the norm's backward kernel instead of an add kernel before it. Through
+Inductor on CPU (its caches off, so the post-grad passes run): one rewrite per norm that feeds projections, fp32 steps
+equal bit for bit to the steps without it, bf16 steps as close to an fp32 copy as without it."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, checkpoi
 # of tests/models/inductor_steps.py (each computed once there)
 pytestmark = XDIST_GROUP
 
-ON = fuser.FuserConfig.from_options({"strict": True, "rms_norm": {"gradient_sums": True}})
-OFF = fuser.FuserConfig.from_options({"strict": True, "rms_norm": {"gradient_sums": False}})
+ON = fuser.FuserConfig.from_options({"strict": True, "experimental.rms_norm.gradient_sums": True})
+OFF = fuser.FuserConfig.from_options({"strict": True, "experimental.rms_norm.gradient_sums": False})
 U_BF16 = 2.0**-8  # bf16's unit roundoff: half an ulp, relative
 # Gemma's norms take 1 + w and feed GeGLU; Qwen3's q/k norms read projections instead of feeding them (no sums)
 FP32_ARCHS = ["llama", "gemma"]

@@ -22,7 +22,7 @@ peft = pytest.importorskip("peft")
 AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 # the norms' own subject: the v sums' fp32 bases (tests/models/test_fp32_base_models.py) off, so that a gradient
 # compared one by one with eager's moves only by what the norms change
-AOT_NORMS = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", lora_sum={"fp32_base": False})
+AOT_NORMS = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", experimental={"lora_sum": {"fp32_base": False}})
 
 
 def wide_norms(monkeypatch) -> list[str]:
@@ -98,7 +98,8 @@ def test_qwen3_qk_norms_read_the_fp32_sums_and_the_step_is_as_close_to_fp32_as_i
 
 def test_fp32_model_is_unchanged(monkeypatch):
     """In fp32 there is no cast to keep: no norm gets an fp32 copy, and the step equals eager's. The residual adds
-    still join their norms (``rms_norm.residual_add``), which in fp32 reads the same sum eager's add writes."""
+    still join their norms (``experimental.rms_norm.residual_add``), which in fp32 reads the same sum eager's add
+    writes."""
     seen = wide_norms(monkeypatch)
     model = with_lora(build("qwen3", torch.float32))
     loss_ref, grads_ref = step(copy.deepcopy(model))

@@ -1,9 +1,9 @@
-"""Tier 3: ``RmsNormConfig.residual_add`` (on by default) under full fine-tuning: the residual add that a fused RMSNorm
-reads (a decoder layer's ``h + attn_out`` before its post-attention norm, ``h + mlp_out`` before the next layer's
-input norm or the final norm) becomes one ``fuser::add_rms_norm`` with the norm, whichever of ``rms_norm`` and
-``rms_norm_linear`` took the norm; the residual stream reads the op's rounded sum. Counted in the rewritten graphs
-the backend compiles; the step checked against eager fp32 (fp32 models) or against an fp32 copy, as close as the
-step without it (bf16 models)."""
+"""Tier 3: ``experimental.rms_norm.residual_add`` (on by default) under full fine-tuning: the residual add that a fused
+RMSNorm reads (a decoder layer's ``h + attn_out`` before its post-attention norm, ``h + mlp_out`` before the next
+layer's input norm or the final norm) becomes one ``fuser::add_rms_norm`` with the norm, whichever of ``rms_norm`` and
+``rms_norm_linear`` took the norm; the residual stream reads the op's rounded sum. Counted in the rewritten graphs the
+backend compiles; the step checked against eager fp32 (fp32 models) or against an fp32 copy, as close as the step
+without it (bf16 models)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ U_BF16 = 2.0**-8  # bf16's unit roundoff: half an ulp, relative
 
 
 def config(residual_add: bool = True, **fields) -> fuser.FuserConfig:
-    return fuser.FuserConfig(strict=True, inner_compiler="aot_eager", rms_norm={"residual_add": residual_add}, **fields)
+    return fuser.FuserConfig(
+        strict=True, inner_compiler="aot_eager", experimental={"rms_norm": {"residual_add": residual_add}}, **fields
+    )
 
 
 def residual_norms() -> int:
@@ -292,7 +294,7 @@ def test_gpu_llama_1024_bf16_step_as_close_to_fp32_as_without_it():
     errors = {}
     for on in (True, False):
         torch._dynamo.reset()
-        cfg = fuser.FuserConfig(strict=True, rms_norm={"residual_add": on})
+        cfg = fuser.FuserConfig(strict=True, experimental={"rms_norm": {"residual_add": on}})
         loss, got = run(copy.deepcopy(base).bfloat16(), cfg)
         assert sum(r.refined.get("rms_norm", 0) for r in fuser.backend(cfg).results) == (residual_norms() if on else 0)
         errors[on] = rel(loss, loss32), {name: rel(g, grads32[name]) for name, g in got.items()}

@@ -82,7 +82,8 @@ def test_a_norm_with_another_reader_declines_and_says_why():
     assert len(reasons) == 1 and "also reads the normalised value: only linear projections may" in reasons.pop()
 
 
-STORED_SUMS = {"residual_add": False}  # a plain residual add stays Inductor's kernel, its sum stored rounded
+# a plain residual add stays Inductor's kernel, its sum stored rounded
+STORED_SUMS = {"rms_norm": {"residual_add": False}}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
@@ -106,12 +107,12 @@ STORED_SUMS = {"residual_add": False}  # a plain residual add stays Inductor's k
 def test_full_fine_tuning_step_equals_the_step_without_it(family, dtype, autocast, checkpointing):
     """Full fine-tuning, every pattern, against the same without rms_norm_linear: the loss and every gradient bit
     for bit. The q/k/v and gate/up weight gradients read the norm's output rebuilt from its input and rstd, which
-    is that output exactly (the norm's formula, one rounding; no residual sum is kept wide: ``rms_norm.residual_add``
-    is off here, since with it the norm reads the unrounded sum and the rebuild from the rounded one moves these
-    gradients by a rounding, as under LoRA below); under autocast the rebuilt fp32 value is cast to bf16 as autocast
-    casts the saved one."""
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON, rms_norm=STORED_SUMS)
-    without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT, rms_norm=STORED_SUMS)
+    is that output exactly (the norm's formula, one rounding; no residual sum is kept wide:
+    ``experimental.rms_norm.residual_add`` is off here, since with it the norm reads the unrounded sum and the rebuild
+    from the rounded one moves these gradients by a rounding, as under LoRA below); under autocast the rebuilt fp32
+    value is cast to bf16 as autocast casts the saved one."""
+    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON, experimental=STORED_SUMS)
+    without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT, experimental=STORED_SUMS)
     model = build(family, dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -172,10 +173,12 @@ def test_lora_step_equals_the_step_without_it_but_for_the_rebuilt_norms(family, 
     a norm of a stored value (the first layer's), and where the norm read an unrounded residual sum (add_rms_norm,
     issue 16), the norm of its bf16 rounding (as eager computes it): each input within half an ulp (2⁻⁹), the
     normalised value within one more rounding, so the gradient moves by well under 2⁻⁷ relative. (Plain residual
-    adds stay Inductor's here, ``rms_norm.residual_add`` off: Phi-3's pass through a dropout, no LoRA sum absorbs
-    them, and they would otherwise join the norm too.)"""
-    config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=ON, rms_norm=STORED_SUMS, **LORA_ON)
-    without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT, rms_norm=STORED_SUMS)
+    adds stay Inductor's here, ``experimental.rms_norm.residual_add`` off: Phi-3's pass through a dropout, no LoRA sum
+    absorbs them, and they would otherwise join the norm too.)"""
+    config = fuser.FuserConfig(
+        strict=True, inner_compiler="aot_eager", patterns=ON, experimental=STORED_SUMS, **LORA_ON
+    )
+    without = fuser.FuserConfig(strict=True, inner_compiler="aot_eager", patterns=WITHOUT, experimental=STORED_SUMS)
     model = lora(build(family))
     if checkpointing:  # the norms and their projections inside each layer's nested graph
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

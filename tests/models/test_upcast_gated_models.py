@@ -45,8 +45,8 @@ def test_one_per_layer_and_the_step_is_unchanged_bit_for_bit(build):
     loss, grads = lora_step(build(), AOT)
     # lora_sum's refinements (issue 16), per layer: the gate and up sums keep their fp32 value for the gated op, the
     # o and down sums stay fp32 into their residual adds, the q and k sums into RoPE, and the v sum, stored
-    # rounded for attention, adds to the base's fp32 output (LoraSumConfig.fp32_base); besides the recompute, the
-    # LoRA A of q/k/v and of gate/up share one op each (UpcastLinearConfig.group_shared_inputs): 5 per layer
+    # rounded for attention, adds to the base's fp32 output (experimental.lora_sum.fp32_base); besides the recompute,
+    # the LoRA A of q/k/v and of gate/up share one op each (experimental.upcast_linear.group_shared_inputs): 5 per layer
     assert refined(AOT, since) == {"upcast_linear": N_LAYERS + 5 * N_LAYERS, "lora_sum": 7 * N_LAYERS}
     torch._dynamo.reset()
     loss_off, grads_off = lora_step(build(), AOT_NO_RECOMPUTE)

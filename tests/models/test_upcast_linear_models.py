@@ -21,7 +21,7 @@ def test_explain_counts_one_upcast_linear_per_adapter():
 
 def test_alone_it_is_bit_for_bit_eager():
     config = fuser.FuserConfig(patterns=("upcast_linear",), strict=True, inner_compiler="aot_eager",
-                               upcast_linear={"group_shared_inputs": False})  # fmt: skip
+                               experimental={"upcast_linear": {"group_shared_inputs": False}})  # fmt: skip
     loss_ref, grads_ref = lora_step(lora_model())
     loss, grads = lora_step(lora_model(), config)
     assert fuser.backend(config).counts == {"upcast_linear": 7 * N_LAYERS}

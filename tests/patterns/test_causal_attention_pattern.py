@@ -22,7 +22,7 @@ from fuser.patterns import PATTERNS
 
 B, H, T, D = 2, 4, 16, 8
 STRICT = fuser.FuserConfig(patterns=("causal_attention",), inner_compiler="aot_eager", strict=True)
-RUNTIME_CHECK = {"causal_attention": {"runtime_check": True}}
+RUNTIME_CHECK = {"experimental": {"causal_attention": {"runtime_check": True}}}
 BLOCK_MASKS = fuser.FuserConfig(
     patterns=("causal_attention",),
     inner_compiler="aot_eager",
@@ -449,7 +449,7 @@ def test_gpu_causal_rewrites_through_inductor(runtime_check):
     """On CUDA (flash / cuDNN kernels), bf16, through Inductor: the constant mask and, with the run-time check, the
     padding-mask form give eager's values and gradients (to bf16 attention's rounding) in both branches."""
     config = fuser.FuserConfig(
-        patterns=("causal_attention",), strict=True, causal_attention={"runtime_check": runtime_check}
+        patterns=("causal_attention",), strict=True, experimental={"causal_attention": {"runtime_check": runtime_check}}
     )
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 8, 512, 64)

@@ -1,6 +1,6 @@
-"""causal_attention's grouped-query fold (``options={"causal_attention": {"gqa_fold": True}}``): a proved-causal SDPA
-call on transformers' ``repeat_kv`` copies is given the unexpanded k and v with ``enable_gqa=True``. Same values and
-gradients as the call as written; forms with another head order (``repeat``'s tiling) are left alone; on by
+"""causal_attention's grouped-query fold (``options={"experimental.causal_attention.gqa_fold": True}``): a proved-causal
+SDPA call on transformers' ``repeat_kv`` copies is given the unexpanded k and v with ``enable_gqa=True``. Same values
+and gradients as the call as written; forms with another head order (``repeat``'s tiling) are left alone; on by
 default."""
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ from tests.models import tiny
 
 B, H, KV, T, D = 2, 6, 2, 16, 8
 STRICT = fuser.FuserConfig(
-    patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, causal_attention={"gqa_fold": False}
+    patterns=("causal_attention",),
+    inner_compiler="aot_eager",
+    strict=True,
+    experimental={"causal_attention": {"gqa_fold": False}},
 )
 FOLD = fuser.FuserConfig(
-    patterns=("causal_attention",), inner_compiler="aot_eager", strict=True, causal_attention={"gqa_fold": True}
+    patterns=("causal_attention",),
+    inner_compiler="aot_eager",
+    strict=True,
+    experimental={"causal_attention": {"gqa_fold": True}},
 )
 
 
@@ -132,10 +138,10 @@ def test_other_head_orders_are_not_folded(fn, gen):
 
 def test_on_by_default_and_off_by_name(gen):
     q, k, v = qkv(gen)
-    assert fuser.FuserConfig().causal_attention.gqa_fold is True
-    assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig(causal_attention={"gqa_fold": False})) == [
-        (H, False, True)
-    ]
+    assert fuser.FuserConfig().experimental.causal_attention.gqa_fold is True
+    assert sdpa_calls(
+        hf_repeat_kv, q, k, v, fuser.FuserConfig(experimental={"causal_attention": {"gqa_fold": False}})
+    ) == [(H, False, True)]
     assert sdpa_calls(hf_repeat_kv, q, k, v, STRICT) == [(H, False, True)]  # STRICT: the fold off by name
     assert sdpa_calls(hf_repeat_kv, q, k, v, fuser.FuserConfig()) == sdpa_calls(hf_repeat_kv, q, k, v, FOLD)
 
@@ -156,7 +162,7 @@ def test_llama_step_the_same_and_saves_the_unexpanded_kv():
             (),
             {"input_ids": ids, "labels": ids},
             [PATTERNS["causal_attention"]],
-            config=fuser.FuserConfig(causal_attention={"gqa_fold": fold}),
+            config=fuser.FuserConfig(experimental={"causal_attention": {"gqa_fold": fold}}),
         )
         return sorted(shape for _, shape in saved if len(shape) == 4 and shape[-1] == 16)  # head_dim 16
 
@@ -169,7 +175,9 @@ def test_llama_step_the_same_and_saves_the_unexpanded_kv():
 @pytest.mark.gpu
 def test_gpu_folded_call_through_inductor():
     """On CUDA, bf16, through Inductor: the folded call gives eager's values and gradients (to bf16 rounding)."""
-    config = fuser.FuserConfig(patterns=("causal_attention",), strict=True, causal_attention={"gqa_fold": True})
+    config = fuser.FuserConfig(
+        patterns=("causal_attention",), strict=True, experimental={"causal_attention": {"gqa_fold": True}}
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 32, 512, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(2, 8, 512, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 import fuser
-from fuser.config import LoraSumConfig
 
 STRICT = fuser.FuserConfig(patterns=("lora_sum",), inner_compiler="aot_eager", strict=True)
 N_IN, N_OUT = 64, 48
@@ -46,7 +45,7 @@ def test_lora_b_sum_is_matched_and_trains_the_same(dtype, fp32_base, gen):
     """The sum is the function's output, stored rounded: by default (``fp32_base``) the op adds the term to the
     base's fp32 output and rounds once, bit for bit what that computes in fp32; switched off, peft's graph bit for
     bit. The backward, for the same incoming gradient, is eager's bit for bit either way."""
-    config = dataclasses.replace(STRICT, lora_sum=LoraSumConfig(fp32_base=fp32_base))
+    config = dataclasses.replace(STRICT, experimental={"lora_sum": {"fp32_base": fp32_base}})
     x, w, a, b = inputs(gen, dtype)
     report = fuser.explain(lora_linear, x, w, a, b, config=config)
     assert report.counts == {"lora_sum": 1}, str(report)
