@@ -362,7 +362,7 @@ def test_gpu_lora_step_launches_the_kernels_from_inductor_as_close_to_fp32(arch,
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_gpu_autocast_lora_step_inlines_the_matmul_ops_as_close_to_fp32(arch, no_inductor_cache):
     """The Trainer's form: bf16 autocast over a bf16 base with peft's fp32 adapters. The ops whose bodies call a
-    matmul (the upcast linears) are inlined as the others are (the loss stays a call, for its side stream), and the
+    matmul (the upcast linears, the loss of a frozen lm_head) are inlined as the others are, and the
     step is as close to the fp32 model's as eager autocast's and as the calls' (``inline_ops=False``)."""
     model = with_lora(build(arch, torch.bfloat16)).cuda()
     data = {k: v.cuda() for k, v in batch(seq=64).items()}
@@ -379,7 +379,8 @@ def test_gpu_autocast_lora_step_inlines_the_matmul_ops_as_close_to_fp32(arch, no
     report = fuser.report(model)
     assert {"upcast_linear", "upcast_linear_grads", "lora_sum"} <= set(report.inlined), report.not_inlined
     assert not any("autocast" in why or "could not be traced" in why for why in report.not_inlined.values())
-    assert "CUDA stream" in report.not_inlined["linear_cross_entropy"]  # its weight gradient's side stream
+    # the loss: inlined where the lm_head is frozen (LoRA); with its weight trained, a call for its side stream
+    assert "linear_cross_entropy" in report.inlined, report.not_inlined
     assert g32.keys() == got.keys() == g_amp.keys() and got
     for label, (l_cmp, g_cmp) in {"eager autocast": (loss_amp, g_amp), "inline_ops=False": (loss_off, g_off)}.items():
         assert abs(loss - loss32) <= 2 * abs(l_cmp - loss32) + 1e-3 * abs(loss32), (label, loss, l_cmp, loss32)
