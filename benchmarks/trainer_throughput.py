@@ -59,6 +59,13 @@ its op builds, else ``torch``, said on stderr. The setup line names the config a
 model is built whole on the GPU and DeepSpeed partitions it (ZeRO-3: offloads it) as training starts, so peak memory
 counts from the first step.
 
+Under ZeRO-3, ``fuser.optimize_`` makes each decoder layer a ZeRO-3 leaf module, and DeepSpeed reduces a leaf's
+gradients in a full backward hook on it, which PyTorch fires before the layer's backward where no input of the layer
+needs a gradient: the first layer over a frozen embedding (LoRA), whose step then fails (``The size of tensor a (0)
+must match the size of tensor b ...``; DeepSpeed's own ``set_z3_leaf_modules`` fails so without fuser).
+``--input-require-grads`` calls ``model.enable_input_require_grads()`` in every mode, so that the embeddings' output
+needs a gradient, and keeps that hook in fuser's traces (``ignore_input_require_grads=false``).
+
 Llama-3-8B LoRA under DeepSpeed on one GPU: device calls with ``carry [".whl"]`` after ``fetch_wheels.sh``; at full
 depth one mode a call, joined afterwards with ``--combine``; with ``--layers 8`` both modes in one call:
 
@@ -67,15 +74,15 @@ depth one mode a call, joined afterwards with ``--combine``; with ``--layers 8``
     NAME=z2_fuser bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
         --steps 8 --warmup 3 --timeout 450 --deepspeed zero2-offload --modes fuser
     NAME=z3_torch_compile bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
-        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --modes torch_compile
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --input-require-grads --modes torch_compile
     NAME=z3_fuser bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
-        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --modes fuser
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --input-require-grads --modes fuser
     python benchmarks/trainer_throughput.py --combine z2_torch_compile.json z2_fuser.json --out z2.md
 
     NAME=z2_l8 bash benchmarks/gpu_trainer.sh --model llama3-8b --layers 8 --method lora --lengths fixed:2048 \
         --steps 8 --warmup 3 --timeout 240 --deepspeed zero2-offload --modes torch_compile,fuser
     NAME=z3_l8 bash benchmarks/gpu_trainer.sh --model llama3-8b --layers 8 --method lora --lengths fixed:2048 \
-        --steps 8 --warmup 3 --timeout 240 --deepspeed zero3-offload --modes torch_compile,fuser
+        --steps 8 --warmup 3 --timeout 240 --deepspeed zero3-offload --input-require-grads --modes torch_compile,fuser
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ VERSIONED = (
 )  # fmt: skip
 # what makes two runs' rows one table (--combine)
 SETUP_KEYS = ("model", "layers", "tiny", "method", "trainer", "lengths", "seed", "batch", "steps", "warmup")
-SETUP_KEYS += ("gradient_checkpointing", "fuser_option", "deepspeed", "deepspeed_optimizer")
+SETUP_KEYS += ("gradient_checkpointing", "fuser_option", "deepspeed", "deepspeed_optimizer", "input_require_grads")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +160,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="with --deepspeed: DeepSpeed's CPU Adam (cpu_adam) or the trainer's torch AdamW (torch) steps the "
         "offloaded partitions; auto (default): cpu_adam where its C++ op builds here, else torch",
+    )
+    parser.add_argument(
+        "--input-require-grads",
+        action="store_true",
+        help="model.enable_input_require_grads() in every mode, and fuser keeps that hook "
+        "(ignore_input_require_grads=false): what a frozen embedding under ZeRO-3 leaf layers needs",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed to each mode's process")
     parser.add_argument("--out", type=Path, help="write the markdown table here too")
@@ -248,6 +261,8 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
         cmd += ["--fuser-option", option]
     if args.deepspeed:
         cmd += ["--deepspeed", args.deepspeed, "--deepspeed-optimizer", args.deepspeed_optimizer]
+    if args.input_require_grads:
+        cmd.append("--input-require-grads")
     return cmd
 
 
@@ -328,6 +343,11 @@ def describe(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple
         text += "; " + describe_deepspeed(setup, results)
     if setup["fuser_option"]:
         text += f"; fuser options {', '.join(setup['fuser_option'])}"
+    if setup.get("input_require_grads"):
+        text += (
+            "; model.enable_input_require_grads() in every mode (the input embeddings' output requires a gradient), "
+            "fuser keeping that hook (ignore_input_require_grads=false)"
+        )
     return title, text
 
 

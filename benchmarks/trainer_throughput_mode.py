@@ -401,10 +401,15 @@ def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:
     # DeepSpeed partitions (ZeRO-3: offloads) the model when the trainer starts: its peak counts from the first step
     clock = step_clock(peak_from_first_step=bool(args.deepspeed))
     callbacks = [clock]
+    options = fuser_options(args.fuser_option)
+    if args.input_require_grads:
+        # the embeddings' output requires a gradient, so every decoder layer's input does (see trainer_throughput.py)
+        model.enable_input_require_grads()
+        options.setdefault("ignore_input_require_grads", False)  # fuser keeps that hook in its traces
     if args.mode == "fuser":
         import fuser
 
-        fuser.optimize_(model, config=fuser_options(args.fuser_option) or None)
+        fuser.optimize_(model, config=options or None)
         callbacks.append(fuser.FuserCallback())
     with tempfile.TemporaryDirectory(prefix="trainer_throughput_") as out_dir:
         trainer = make_trainer(args, model, tokenizer, rows, out_dir, callbacks)
