@@ -36,8 +36,53 @@ Where one device call cannot hold every mode, run them in groups and make one ta
     python benchmarks/trainer_throughput.py --model llama3-8b --modes none,torch_compile --json a.json
     python benchmarks/trainer_throughput.py --combine a.json b.json --out r.md
 
-On the GPU machine (no network, no Liger-Kernel, TRL or Unsloth): ``benchmarks/fetch_wheels.sh`` here fetches
-their wheels into ``.whl/``, and ``benchmarks/gpu_trainer.sh`` there installs them and runs this script.
+On the GPU machine (no network, no Liger-Kernel, TRL, Unsloth or DeepSpeed): ``benchmarks/fetch_wheels.sh`` here
+fetches their wheels into ``.whl/``, and ``benchmarks/gpu_trainer.sh`` there installs them and runs this script.
+
+DeepSpeed (``--deepspeed``): every mode's trainer gets ``TrainingArguments(deepspeed=config)``, the ZeRO offload
+config transformers documents (``trainer_throughput_mode.deepspeed_config``; the trainer fills each ``"auto"`` in),
+in one process that names itself rank 0 of 1 (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and
+``WORLD_SIZE`` set where a launcher did not):
+
+- ``zero2-offload``: ZeRO-2, the optimizer's state and fp32 master weights in pinned host memory
+  (``offload_optimizer: {device: cpu, pin_memory: true}``);
+- ``zero3-offload``: ZeRO-3 with the parameters offloaded too (``offload_param: {device: cpu, pin_memory: true}``).
+
+``bf16: {enabled: auto}`` has DeepSpeed cast every parameter to bf16, the LoRA adapters too, and keep the fp32
+master weights in its optimizer, so fuser's ops for peft's fp32 adapters (``lora_sum``, ``upcast_linear``) find
+nothing to match. ``--deepspeed-optimizer``: ``cpu_adam`` puts AdamW in the config's ``optimizer`` section, so
+DeepSpeed steps the offloaded weights with its C++ ``DeepSpeedCPUAdam``, as its offload tutorials have users do (the
+trainer's ``optim`` is then unused; the op is built on first use with g++ and ninja, no CUDA compiler, here once
+before the modes start); ``torch`` leaves that section out and sets ``zero_force_ds_cpu_optimizer: false``, so the
+trainer's ``adamw_torch_fused`` steps the offloaded partitions on the CPU; ``auto`` (default) is ``cpu_adam`` where
+its op builds, else ``torch``, said on stderr. The setup line names the config and what each mode's engine ran. The
+model is built whole on the GPU and DeepSpeed partitions it (ZeRO-3: offloads it) as training starts, so peak memory
+counts from the first step.
+
+Under ZeRO-3, ``fuser.optimize_`` makes each decoder layer a ZeRO-3 leaf module, and DeepSpeed reduces a leaf's
+gradients in a full backward hook on it, which PyTorch fires before the layer's backward where no input of the layer
+needs a gradient: the first layer over a frozen embedding (LoRA), whose step then fails (``The size of tensor a (0)
+must match the size of tensor b ...``; DeepSpeed's own ``set_z3_leaf_modules`` fails so without fuser).
+``--input-require-grads`` calls ``model.enable_input_require_grads()`` in every mode, so that the embeddings' output
+needs a gradient, and keeps that hook in fuser's traces (``ignore_input_require_grads=false``).
+
+Llama-3-8B LoRA under DeepSpeed on one GPU: device calls with ``carry [".whl"]`` after ``fetch_wheels.sh``; at full
+depth one mode a call, joined afterwards with ``--combine``; with ``--layers 8`` both modes in one call:
+
+    NAME=z2_torch_compile bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero2-offload --modes torch_compile
+    NAME=z2_fuser bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero2-offload --modes fuser
+    NAME=z3_torch_compile bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --input-require-grads --modes torch_compile
+    NAME=z3_fuser bash benchmarks/gpu_trainer.sh --model llama3-8b --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 450 --deepspeed zero3-offload --input-require-grads --modes fuser
+    python benchmarks/trainer_throughput.py --combine z2_torch_compile.json z2_fuser.json --out z2.md
+
+    NAME=z2_l8 bash benchmarks/gpu_trainer.sh --model llama3-8b --layers 8 --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 240 --deepspeed zero2-offload --modes torch_compile,fuser
+    NAME=z3_l8 bash benchmarks/gpu_trainer.sh --model llama3-8b --layers 8 --method lora --lengths fixed:2048 \
+        --steps 8 --warmup 3 --timeout 240 --deepspeed zero3-offload --input-require-grads --modes torch_compile,fuser
 """
 
 from __future__ import annotations
@@ -60,7 +105,15 @@ import torch
 from jobs import MODELS, TINY_FIELDS
 from train_step import run_child
 from train_step_timing import device_name, last_error_line
-from trainer_throughput_mode import LEARNING_RATE, PAD_TO_MULTIPLE_OF, Lengths, run_mode
+from trainer_throughput_mode import (
+    DEEPSPEED,
+    DEEPSPEED_OPTIMIZERS,
+    LEARNING_RATE,
+    PAD_TO_MULTIPLE_OF,
+    Lengths,
+    deepspeed_config,
+    run_mode,
+)
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,11 +121,11 @@ if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pi
 MODES = ("none", "torch_compile", "liger", "unsloth", "fuser")
 VERSIONED = (
     "torch", "triton", "transformers", "peft", "accelerate", "datasets", "trl", "liger-kernel", "unsloth",
-    "unsloth_zoo",
+    "unsloth_zoo", "deepspeed",
 )  # fmt: skip
 # what makes two runs' rows one table (--combine)
 SETUP_KEYS = ("model", "layers", "tiny", "method", "trainer", "lengths", "seed", "batch", "steps", "warmup")
-SETUP_KEYS += ("gradient_checkpointing", "fuser_option")
+SETUP_KEYS += ("gradient_checkpointing", "fuser_option", "deepspeed", "deepspeed_optimizer", "input_require_grads")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +153,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="a FuserConfig option for the fuser mode, repeatable: experimental.causal_attention.runtime_check=true",
     )
+    parser.add_argument("--deepspeed", choices=DEEPSPEED, help="run every mode under this DeepSpeed ZeRO config")
+    parser.add_argument(
+        "--deepspeed-optimizer",
+        choices=("auto", *DEEPSPEED_OPTIMIZERS),
+        default="auto",
+        help="with --deepspeed: DeepSpeed's CPU Adam (cpu_adam) or the trainer's torch AdamW (torch) steps the "
+        "offloaded partitions; auto (default): cpu_adam where its C++ op builds here, else torch",
+    )
+    parser.add_argument(
+        "--input-require-grads",
+        action="store_true",
+        help="model.enable_input_require_grads() in every mode, and fuser keeps that hook "
+        "(ignore_input_require_grads=false): what a frozen embedding under ZeRO-3 leaf layers needs",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed to each mode's process")
     parser.add_argument("--out", type=Path, help="write the markdown table here too")
     parser.add_argument("--json", type=Path, help="write every number here")
@@ -123,7 +190,32 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
     setup["layers"] = args.layers or (TINY_FIELDS["num_hidden_layers"] if args.tiny else MODELS[args.model].layers)
     if args.trainer == "trainer" and args.gradient_checkpointing is None:
         setup["gradient_checkpointing"] = False  # Trainer's default; SFTTrainer's is its own (on)
+    if not args.deepspeed:
+        setup["deepspeed_optimizer"] = None
     return setup
+
+
+def resolve_deepspeed_optimizer(args: argparse.Namespace) -> None:
+    """Under ``--deepspeed``, build DeepSpeed's CPU Adam op here, once, before any mode starts (a JIT build with g++
+    and ninja into torch's extensions cache, which every mode's process then loads), so that no mode's time holds
+    it; ``--deepspeed-optimizer auto`` becomes ``cpu_adam``, or ``torch`` where the op does not build."""
+    if not args.deepspeed or args.deepspeed_optimizer == "torch" or importlib.util.find_spec("deepspeed") is None:
+        return
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+    except Exception as error:  # a missing compiler, ninja or header: whatever the build raises
+        if args.deepspeed_optimizer == "cpu_adam":
+            raise SystemExit(f"trainer_throughput: DeepSpeed's CPU Adam op did not build here: {error}") from error
+        print(
+            f"[deepspeed] DeepSpeed's CPU Adam op did not build here ({last_error_line(str(error))}): the trainer's "
+            "torch optimizer steps the offloaded partitions instead (--deepspeed-optimizer torch)",
+            file=sys.stderr,
+        )
+        args.deepspeed_optimizer = "torch"
+    else:
+        args.deepspeed_optimizer = "cpu_adam"
 
 
 def versions() -> dict[str, str]:
@@ -154,6 +246,8 @@ def not_runnable(args: argparse.Namespace, mode: str) -> str | None:
         return "trl (for SFTTrainer)"
     if mode == "liger" and importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel"
+    if args.deepspeed and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed"
     return None
 
 
@@ -169,6 +263,10 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
         cmd.append("--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing")
     for option in args.fuser_option:
         cmd += ["--fuser-option", option]
+    if args.deepspeed:
+        cmd += ["--deepspeed", args.deepspeed, "--deepspeed-optimizer", args.deepspeed_optimizer]
+    if args.input_require_grads:
+        cmd.append("--input-require-grads")
     return cmd
 
 
@@ -220,9 +318,16 @@ def describe(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple
     method = "LoRA r16 on every linear layer, bf16 base, fp32 adapters" if setup["method"] == "lora" else (
         "full fine-tune, fp32 master weights under bf16 autocast"
     )  # fmt: skip
+    if setup.get("deepspeed"):  # DeepSpeed's bf16 casts the parameters; its optimizer holds the fp32 copies
+        method = "LoRA r16 on every linear layer, bf16 base and adapters" if setup["method"] == "lora" else (
+            "full fine-tune, bf16 weights"
+        )  # fmt: skip
+        method += ", fp32 master weights in DeepSpeed's optimizer"
     trainer = "TRL SFTTrainer" if setup["trainer"] == "sft" else "transformers.Trainer"
     model = f"{setup['model']}{' (--tiny)' if setup['tiny'] else ''} shapes, {setup['layers']} layers"
     title = f"Trainer throughput: {model}, {method}, {trainer}"
+    if setup.get("deepspeed"):
+        title += f", DeepSpeed {setup['deepspeed']}"
     lengths = Lengths.parse(setup["lengths"])
     collator = "SFTTrainer's collator" if setup["trainer"] == "sft" else "DataCollatorForLanguageModeling(mlm=False)"
     real = [sum(r["real_tokens"]) / sum(r["padded_tokens"]) for r in results.values() if r.get("padded_tokens")]
@@ -238,9 +343,37 @@ def describe(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple
         f"{setup['steps']} steps, tokens/s (real tokens only) over the last {timed}; each mode in its own process "
         "with fresh Inductor and Triton caches"
     )
+    if setup.get("deepspeed"):
+        text += "; " + describe_deepspeed(setup, results)
     if setup["fuser_option"]:
         text += f"; fuser options {', '.join(setup['fuser_option'])}"
+    if setup.get("input_require_grads"):
+        text += (
+            "; model.enable_input_require_grads() in every mode (the input embeddings' output requires a gradient), "
+            "fuser keeping that hook (ignore_input_require_grads=false)"
+        )
     return title, text
+
+
+def describe_deepspeed(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> str:
+    """The setup line's DeepSpeed part: the config the trainer got and what its engines ran."""
+    config = json.dumps(deepspeed_config(setup["deepspeed"], setup["deepspeed_optimizer"]), separators=(",", ":"))
+    ran = {
+        f"ZeRO-{r['zero_stage']}, optimizer state on {r['offload_optimizer']}, parameters on "
+        f"{'the device' if r['offload_param'] == 'none' else r['offload_param']}, {r['optimizer_class']} stepping"
+        for r in results.values()
+        if r.get("status") == "ok" and "zero_stage" in r
+    }
+    optimizer = (
+        "the config's AdamW, DeepSpeed's CPU Adam (optim unused)"
+        if setup["deepspeed_optimizer"] == "cpu_adam"
+        else "the trainer's optim on the offloaded partitions (zero_force_ds_cpu_optimizer off)"
+    )
+    return (
+        f"DeepSpeed {setup['deepspeed']}, one process (rank 0 of 1), config `{config}`; optimizer {optimizer}; "
+        f"engines ran {'; '.join(sorted(ran)) or 'nothing'}; peak memory from the first step (after DeepSpeed "
+        "partitioned and offloaded)"
+    )
 
 
 def report(record: dict[str, Any]) -> str:
@@ -286,8 +419,12 @@ def report(record: dict[str, Any]) -> str:
 def combine(paths: list[Path]) -> dict[str, Any]:
     records = [json.loads(p.read_text()) for p in paths]
     first = records[0]
+
+    def setup(record: dict[str, Any]) -> dict[str, Any]:  # keys added since a file was written read as None
+        return {key: record["setup"].get(key) for key in SETUP_KEYS} | record["setup"]
+
     for path, record in zip(paths[1:], records[1:], strict=True):
-        if record["setup"] != first["setup"]:
+        if setup(record) != setup(first):
             raise SystemExit(f"trainer_throughput: {path} ran another setup than {paths[0]}: {record['setup']}")
     modes = {mode: r for record in records for mode, r in record["modes"].items()}
     return {
@@ -301,6 +438,8 @@ def combine(paths: list[Path]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.mode or args.deepspeed_optimizer == "auto":  # a mode's process gets the parent's choice
+        resolve_deepspeed_optimizer(args)
     if args.mode:
         return run_one(args)
     if args.combine:

@@ -4,6 +4,9 @@
 
 Unsloth patches transformers, peft and TRL when it is imported, so nothing here imports them at module level:
 the ``unsloth`` mode imports Unsloth first.
+
+``--deepspeed NAME`` hands the trainer one of :data:`DEEPSPEED`'s ZeRO configs (:func:`deepspeed_config`), as
+``TrainingArguments(deepspeed=...)``; this one process names itself rank 0 of 1 where no launcher did.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import os
 import random
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -25,6 +29,11 @@ PAD_TO_MULTIPLE_OF = 64
 LEARNING_RATE = {"lora": 1e-4, "full": 1e-5}
 # LoRA trains adapters over a bf16 base; full fine-tuning keeps fp32 master weights under bf16 autocast
 MODEL_DTYPE = {"lora": torch.bfloat16, "full": torch.float32}
+# --deepspeed: ZeRO-2 with the optimizer's state offloaded to the CPU; ZeRO-3 with the parameters offloaded too
+DEEPSPEED = ("zero2-offload", "zero3-offload")
+# --deepspeed-optimizer: DeepSpeed's C++ CPU Adam from the config's "optimizer" section (JIT-built with g++ on first
+# use), or the Trainer's own torch optimizer stepping the offloaded fp32 partitions
+DEEPSPEED_OPTIMIZERS = ("cpu_adam", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,60 @@ def build_config(args: argparse.Namespace, lengths: Lengths):
         if isinstance(token, int) and token >= config.vocab_size:
             setattr(config, key, config.vocab_size - 1)
     return config
+
+
+def deepspeed_config(name: str, optimizer: str) -> dict[str, Any]:
+    """The DeepSpeed config that ``--deepspeed NAME`` gives the trainer: transformers' documented ZeRO-2 / ZeRO-3
+    offload configs (offloaded state in pinned host memory, communication overlapped with the backward), every
+    ``"auto"`` filled in by the trainer from its TrainingArguments (bf16, batch, accumulation, clipping, AdamW's lr,
+    betas, eps and weight decay; ZeRO-3's bucket sizes from the hidden size).
+
+    ``optimizer`` ``cpu_adam``: an ``"optimizer"`` section (AdamW), so DeepSpeed steps the offloaded fp32 master
+    weights with its C++ ``DeepSpeedCPUAdam`` (ZeRO-Offload's optimizer, as a user with offload would run it); the
+    trainer's ``optim`` is then unused. ``torch``: no such section, the trainer's torch optimizer steps the offloaded
+    partitions on the CPU, which DeepSpeed refuses unless ``zero_force_ds_cpu_optimizer`` is off."""
+    offload = {"device": "cpu", "pin_memory": True}
+    zero: dict[str, Any] = {"offload_optimizer": offload, "overlap_comm": True, "contiguous_gradients": True}
+    if name == "zero2-offload":
+        zero = {"stage": 2, **zero, "reduce_bucket_size": "auto"}
+    elif name == "zero3-offload":
+        zero = {
+            "stage": 3,
+            **zero,
+            "offload_param": offload,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        }
+    else:
+        raise ValueError(f"--deepspeed takes one of {list(DEEPSPEED)}, got {name!r}")
+    config: dict[str, Any] = {
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+    }
+    if optimizer == "cpu_adam":
+        params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
+        config["optimizer"] = {"type": "AdamW", "params": params}
+    elif optimizer == "torch":
+        config["zero_force_ds_cpu_optimizer"] = False
+    else:
+        raise ValueError(f"--deepspeed-optimizer takes one of {list(DEEPSPEED_OPTIMIZERS)}, got {optimizer!r}")
+    return config
+
+
+def single_process_distributed_env() -> None:
+    """The variables ``torch.distributed`` reads, for a DeepSpeed run in this one process started without a
+    launcher (the trainer initialises a process group for DeepSpeed): rank 0 of 1 on a free local port. Those a
+    launcher set are kept."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
 
 
 def pad_token_id(config) -> int:
@@ -146,8 +209,9 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def step_clock():
-    """A callback that records when the first step began and when every step ended (after a device sync)."""
+def step_clock(peak_from_first_step: bool = False):
+    """A callback that records when the first step began and when every step ended (after a device sync); with
+    ``peak_from_first_step``, the device's peak memory counts from the first step's start."""
     import transformers
 
     class StepClock(transformers.TrainerCallback):
@@ -158,6 +222,8 @@ def step_clock():
         def on_step_begin(self, args, state, control, **kwargs):
             if self.start is None:
                 synchronize()
+                if peak_from_first_step and torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
                 self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -262,6 +328,8 @@ def make_trainer(args: argparse.Namespace, model, tokenizer, rows: list[list[int
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
     )
+    if args.deepspeed:
+        common["deepspeed"] = deepspeed_config(args.deepspeed, args.deepspeed_optimizer)
     if args.trainer == "sft":
         import datasets
         import trl
@@ -285,6 +353,24 @@ def make_trainer(args: argparse.Namespace, model, tokenizer, rows: list[list[int
     )
 
 
+def deepspeed_engine(trainer) -> dict[str, Any]:
+    """What DeepSpeed ran: its engine's ZeRO stage, what it offloaded, and the optimizer class that stepped."""
+    engine = trainer.model_wrapped
+    if type(engine).__name__ != "DeepSpeedEngine":
+        raise RuntimeError(f"--deepspeed: the trainer ran {type(engine).__name__}, not a DeepSpeedEngine")
+
+    def device(offload) -> str:  # an offload section's device ("cpu", "nvme", "none"); "none" where there is none
+        where = getattr(offload, "device", "none")
+        return str(getattr(where, "value", where))  # an enum member, or its value where the config stores values
+
+    return {
+        "zero_stage": engine.zero_optimization_stage(),
+        "offload_optimizer": device(engine.zero_offload_optimizer()),
+        "offload_param": device(engine.zero_offload_param()),
+        "optimizer_class": type(engine.basic_optimizer).__name__,
+    }
+
+
 def checkpointing_on(trainer) -> bool:
     args = trainer.args
     return bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
@@ -293,6 +379,8 @@ def checkpointing_on(trainer) -> bool:
 def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Build, train ``--steps`` steps, and fill ``result`` in (status ``ok``); an exception propagates."""
     began = time.perf_counter()
+    if args.deepspeed:
+        single_process_distributed_env()
     if args.mode == "unsloth":
         os.environ["HF_HUB_OFFLINE"] = "1"
         import unsloth  # noqa: F401  (first: it patches transformers, peft and TRL on import)
@@ -310,12 +398,18 @@ def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result["layers"] = config.num_hidden_layers
     result["params"] = sum(p.numel() for p in model.parameters())
     result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    clock = step_clock()
+    # DeepSpeed partitions (ZeRO-3: offloads) the model when the trainer starts: its peak counts from the first step
+    clock = step_clock(peak_from_first_step=bool(args.deepspeed))
     callbacks = [clock]
+    options = fuser_options(args.fuser_option)
+    if args.input_require_grads:
+        # the embeddings' output requires a gradient, so every decoder layer's input does (see trainer_throughput.py)
+        model.enable_input_require_grads()
+        options.setdefault("ignore_input_require_grads", False)  # fuser keeps that hook in its traces
     if args.mode == "fuser":
         import fuser
 
-        fuser.optimize_(model, config=fuser_options(args.fuser_option) or None)
+        fuser.optimize_(model, config=options or None)
         callbacks.append(fuser.FuserCallback())
     with tempfile.TemporaryDirectory(prefix="trainer_throughput_") as out_dir:
         trainer = make_trainer(args, model, tokenizer, rows, out_dir, callbacks)
@@ -342,6 +436,8 @@ def run_mode(args: argparse.Namespace, result: dict[str, Any]) -> None:
         padded_tokens=counter.padded[:steps],
         losses=[float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
     )
+    if args.deepspeed:
+        result.update(deepspeed_engine(trainer))
     if torch.cuda.is_available():
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if args.mode == "fuser":
