@@ -126,7 +126,8 @@ class FuserConfig(SectionedOptions):
     it gives up on the whole forward and traces each nested frame again, several times the compile time of a LoRA
     model with gradient checkpointing. The hook exists for reentrant checkpointing, whose layers get no gradients
     unless their input requires one; without reentrancy every parameter's gradient is the same without it. The
-    hook is put back after each call. Scoped like ``ignore_logging``."""
+    hook is put back after each call. Under DeepSpeed ZeRO-3 with the decoder layers as leaf modules it stays: a
+    leaf's gradients are collected only when its input needs one. Scoped like ``ignore_logging``."""
 
     inline_ops: bool = True
     """Inductor launches the fused ops' Triton kernels from its generated code: each call in a compiled GPU graph is

@@ -426,6 +426,7 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
     :meth:`FuserBackend.calls_scope`."""
     target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
     unchecked_layers = [True]
+    leaves = [False]  # ZeRO-3 runs the decoder layers as leaf modules
 
     def scope() -> contextlib.AbstractContextManager:
         one = target()
@@ -434,7 +435,12 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
                 zero3.gather_lm_head_with_its_caller(one)
             if unchecked_layers[0]:
                 unchecked_layers[0] = not zero3.warn_if_layers_are_not_leaves(one)
-        if one is None or not chosen.config.ignore_input_require_grads:
+            if not leaves[0] and zero3.leaf_layers_partitioned(one):
+                leaves[0] = True
+                if chosen.config.zero3_leaf_layers and one in zero3.MARKED:  # fuser's leaves, in place
+                    zero3.first_layer_input_requires_grad(one)
+        # under ZeRO-3 leaves the hook is needed (zero3.first_layer_input_requires_grad): it stays
+        if one is None or not chosen.config.ignore_input_require_grads or leaves[0]:
             return chosen.calls_scope()
         stack = contextlib.ExitStack()
         stack.enter_context(input_require_grads_ignored(one))

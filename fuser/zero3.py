@@ -15,7 +15,10 @@ DeepSpeed reads the flag when ``deepspeed.initialize`` (the Trainer's, accelerat
 must be set before: :func:`fuser.optimize_` sets it, where DeepSpeed is installed (:func:`fuser.optimize`, which
 leaves the user's model as it is, warns at the first call under ZeRO-3 instead). The flag is the attribute
 ``_z3_leaf`` that ``deepspeed.utils.set_z3_leaf_module`` sets (and nothing else does): it is set directly, so that
-fuser never imports DeepSpeed; without ZeRO-3 nothing reads it.
+fuser never imports DeepSpeed; without ZeRO-3 nothing reads it. A leaf's gradients are collected only when an
+input of the leaf needs a gradient, so where the input embedding is frozen (LoRA), the first call after ZeRO-3 has
+partitioned the layers registers transformers' ``enable_input_require_grads`` hook
+(:func:`first_layer_input_requires_grad`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import inspect
 import logging
 import sys
 import warnings
+import weakref
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -33,6 +38,8 @@ log = logging.getLogger("fuser")
 
 # the attribute deepspeed.utils.set_z3_leaf_module(module, flag) sets, and deepspeed.utils.z3_leaf_module reads
 Z3_LEAF_ATTRIBUTE = "_z3_leaf"
+# the models whose layers mark_layers_as_zero3_leaves marked (optimize_'s): fuser may add the hook they need
+MARKED: weakref.WeakSet = weakref.WeakSet()
 
 
 @cache
@@ -63,8 +70,55 @@ def mark_layers_as_zero3_leaves(model: torch.nn.Module) -> int:
         return 0
     for layer in layers:
         setattr(layer, Z3_LEAF_ATTRIBUTE, True)
+    MARKED.add(model)
     log.debug("fuser: %d %s layers marked as DeepSpeed ZeRO-3 leaf modules", len(layers), type(layers[0]).__name__)
     return len(layers)
+
+
+def leaf_layers_partitioned(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s decoder layers are ZeRO-3 leaf modules and ZeRO-3 has partitioned them (their parameters
+    carry DeepSpeed's ``ds_id``)."""
+    layers = repeated_layers(model)
+    return (
+        bool(layers)
+        and getattr(layers[0], Z3_LEAF_ATTRIBUTE, False) is True
+        and any(hasattr(p, "ds_id") for p in layers[0].parameters())
+    )
+
+
+def make_inputs_require_grads(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    """transformers' ``enable_input_require_grads`` hook, as :func:`first_layer_input_requires_grad` registers it."""
+    output.requires_grad_(True)
+
+
+def first_layer_input_requires_grad(model: torch.nn.Module) -> bool:
+    """Under ZeRO-3 with the decoder layers as leaf modules, make the first layer's input need a gradient where
+    nothing else does (a frozen input embedding, as under LoRA): DeepSpeed collects a leaf's gradients in a backward
+    hook that, when no input of the leaf needs a gradient, runs before the leaf's backward and fails on its released
+    parameters (DeepSpeed's own ``set_z3_leaf_modules`` fails so too). The hook is transformers'
+    ``enable_input_require_grads`` one, on the input embeddings; ``ignore_input_require_grads`` keeps it under
+    ZeRO-3 leaves. Returns whether it registered one (once per model: afterwards the hook is there)."""
+    if not leaf_layers_partitioned(model) or not any(p.requires_grad for p in repeated_layers(model)[0].parameters()):
+        return False
+    owner = next((m for m in model.modules() if callable(getattr(m, "get_input_embeddings", None))), None)
+    try:
+        embedding = owner.get_input_embeddings() if owner is not None else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(embedding, torch.nn.Module) or weight is None or weight.requires_grad:
+        return False
+    from fuser.tracing import _is_input_require_grads_hook
+
+    if any(_is_input_require_grads_hook(hook) for hook in embedding._forward_hooks.values()):
+        return False
+    embedding.register_forward_hook(make_inputs_require_grads)
+    log.info(
+        "fuser: the input embeddings' output now requires grad (transformers' enable_input_require_grads): under "
+        "DeepSpeed ZeRO-3 the decoder layers are leaf modules, whose gradients DeepSpeed collects only when an "
+        "input of the layer needs a gradient"
+    )
+    return True
 
 
 def warn_if_layers_are_not_leaves(model: torch.nn.Module) -> bool:

@@ -170,3 +170,46 @@ def test_optimize_leaves_the_users_layers_unmarked_and_warns_once_under_zero3(mo
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compiled(input_ids=ids)  # told once
+
+
+def test_under_zero3_leaves_a_frozen_embedding_gets_the_input_require_grads_hook(monkeypatch):
+    """LoRA under ZeRO-3 with the layers as fuser's leaves: DeepSpeed collects a leaf's gradients only when an input
+    of the leaf needs a gradient, which a frozen embedding's output does not. optimize_ registers transformers'
+    ``enable_input_require_grads`` hook at the first call once ZeRO-3 has partitioned the layers (``ds_id``), and
+    ``ignore_input_require_grads`` no longer swaps it out during the calls."""
+    from fuser import dynamo_backend
+
+    monkeypatch.setattr(zero3, "deepspeed_installed", lambda: True)
+    ignored = []
+    real = dynamo_backend.input_require_grads_ignored
+    monkeypatch.setattr(dynamo_backend, "input_require_grads_ignored", lambda m: ignored.append(m) or real(m))
+    model = tiny_llama()
+    for name, p in model.named_parameters():  # LoRA-like: the layers train something, the embedding nothing
+        p.requires_grad_("mlp" in name)
+    fuser.optimize_(model, fuser.FuserConfig(inner_compiler="aot_eager"))
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    embedding = model.get_input_embeddings()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    model(input_ids=ids)  # not partitioned yet: nothing added, the hooks ignored as ever
+    assert not embedding._forward_hooks and len(ignored) == 1
+    for i, p in enumerate(model.model.layers.parameters()):
+        p.ds_id = i  # what ZeRO-3's partitioning sets
+    model(input_ids=ids)
+    model(input_ids=ids)
+    assert list(embedding._forward_hooks.values()) == [zero3.make_inputs_require_grads]  # once
+    assert len(ignored) == 1  # kept during the calls under ZeRO-3 leaves
+    out = embedding(ids)
+    assert out.requires_grad
+
+
+def test_without_zero3_leaves_no_hook_is_added(monkeypatch):
+    monkeypatch.setattr(zero3, "deepspeed_installed", lambda: True)
+    model = tiny_llama()
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    fuser.optimize_(model, fuser.FuserConfig(inner_compiler="aot_eager", zero3_leaf_layers=False))
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    for i, p in enumerate(model.model.layers.parameters()):
+        p.ds_id = i
+    model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    assert not model.get_input_embeddings()._forward_hooks
