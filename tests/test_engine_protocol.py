@@ -1,6 +1,6 @@
-"""The engine owns the pattern protocol: it imports nothing from ``fuser.patterns`` or ``fuser.kernels``, no module
-of ``fuser/`` takes part in an import cycle, and a pattern declared outside ``fuser/`` plugs in through
-``register_pattern``."""
+"""The engine owns the pattern protocol: it imports nothing from ``fuser.patterns``, ``fuser.kernels`` or the
+Inductor passes (``fuser.inductor``), which import no pattern; no module of ``fuser/`` takes part in an import cycle;
+and a pattern declared outside ``fuser/`` plugs in through ``register_pattern``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fuser.engine.match import Op, V
 from fuser.engine.protocol import PATTERNS, Decline, Pattern, Replacement, Variant, register_pattern
 
 PACKAGE = Path(fuser.__file__).parent
-OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels")
+OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels", "fuser.inductor")
 
 
 def _modules() -> dict[str, Path]:
@@ -102,7 +102,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def _part(module: str) -> str:
     """The part of fuser a module belongs to: its subpackage (``fuser.engine``), or the top-level module itself."""
-    for package in ("fuser.engine", "fuser.patterns", "fuser.kernels"):
+    for package in ("fuser.engine", "fuser.patterns", "fuser.inductor", "fuser.kernels"):
         if module == package or module.startswith(package + "."):
             return package
     return module
@@ -141,6 +141,16 @@ def test_the_engine_names_no_pattern_or_kernel_module():
             else:
                 continue
             assert not [n for n in named if n.startswith(OUTSIDE_THE_ENGINE)], f"{path}:{node.lineno}"
+
+
+def test_the_inductor_passes_name_no_pattern_module():
+    """A post-grad pass works on the fused ops' calls, whichever pattern (or user) put them in the graph: the
+    patterns import their passes, never the other way round."""
+    graph = import_graph()
+    inductor = {m: targets for m, targets in graph.items() if _part(m) == "fuser.inductor"}
+    assert "fuser.inductor.inline_ops" in inductor
+    for module, targets in inductor.items():
+        assert not [t for t in targets if _part(t) == "fuser.patterns"], module
 
 
 def test_the_engine_imports_and_rewrites_alone_in_a_fresh_process():

@@ -24,7 +24,7 @@ projection when its forward multiplies the product by a matrix: under QLoRA the 
 Two refinements after the rewrite, for swiglu, geglu and reglu: a trainable down projection fed the fused product
 recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it (:class:`GatedMLPConfig`,
 ``FuserConfig.gated_mlp``, ``options={"gated_mlp": {...}}``), and Inductor's post-grad graphs write the gated
-backward's gradients over its inputs where nobody can observe it (``fuser.patterns.gated_mlp_inplace``, this
+backward's gradients over its inputs where nobody can observe it (``fuser.inductor.gated_mlp_inplace``, this
 pattern's ``post_grad`` passes; :class:`GatedMLPExperimental`, ``FuserConfig.experimental.gated_mlp``).
 """
 
@@ -42,10 +42,10 @@ import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.
 from fuser._compat import OpOverload, statically_equal
 from fuser.engine.canonical import canonical, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
+from fuser.inductor.gated_down_grads import PASS as DOWN_GRADS_PASS
+from fuser.inductor.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
-from fuser.patterns.gated_down_grads import PASS as DOWN_GRADS_PASS
-from fuser.patterns.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -72,12 +72,12 @@ class GatedMLPExperimental:
     backward_in_place: bool = True
     """Inductor's post-grad graphs write the gated backward's dgate and dup over gate and up, and add the down
     adapter's dx into the base projection's gradient, where nothing reads them after
-    (``fuser.patterns.gated_mlp_inplace``)."""
+    (``fuser.inductor.gated_mlp_inplace``)."""
 
     backward_writes_product: bool = True
     """Where the down projection recomputes the product for its weight gradient
     (``gated_mlp.recompute_for_down_weight``), the gated backward's kernel writes the product instead, over the
-    product's gradient once read: one op, and one pass over gate and up fewer (``fuser.patterns.gated_down_grads``)."""
+    product's gradient once read: one op, and one pass over gate and up fewer (``fuser.inductor.gated_down_grads``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "experimental.gated_mlp")

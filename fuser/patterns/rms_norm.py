@@ -45,12 +45,12 @@ from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import canonical, code_at, strip_exact_upcast, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, is_symbolic_scalar, scalar_arg, scalar_hint
 from fuser.engine.rewrite import copy_source_meta
+from fuser.inductor.norm_grad_sums import PASS as GRAD_SUMS_PASS
+from fuser.inductor.norm_grad_sums import UPCASTS_PASS as GRAD_UPCASTS_PASS
+from fuser.inductor.op_casts import OUTPUT_CASTS_PASS
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT  # a LoRA A the rebuild serves: the Triton kernels' rows
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, CastTo, Decline, Pattern, Replacement, Variant
-from fuser.patterns.norm_grad_sums import PASS as GRAD_SUMS_PASS
-from fuser.patterns.norm_grad_sums import UPCASTS_PASS as GRAD_UPCASTS_PASS
-from fuser.patterns.op_casts import OUTPUT_CASTS_PASS
 from fuser.patterns.upcast_check import why_not_upcast
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class RmsNormExperimental:
     gradient_sums: bool = True
     """A norm's output gradient that the backward graph forms as a sum of two to four terms (the input gradients of
     the q/k/v or gate/up projections the norm feeds) is summed by the norm's backward kernel as it loads the terms,
-    in fp32: the sum is not written, read back, or rounded first (:mod:`fuser.patterns.norm_grad_sums`). With it, a
+    in fp32: the sum is not written, read back, or rounded first (:mod:`fuser.inductor.norm_grad_sums`). With it, a
     norm backward whose terms are all half-precision values widened to fp32 (autocast's casts, under fp32 weights)
     reads them unwidened and widens them as it loads them (the post-grad pass ``norm_grad_upcasts``)."""
 
