@@ -5,7 +5,7 @@ with the queue kept from filling (a synchronize every ``--chunk`` calls), is the
 it. Beside fuser's ops, the floors it is made of: an aten op (``torch.add``), an empty ``torch.library.custom_op``
 (the dispatcher and the custom-op wrapper alone) and a bare Triton launch of a one-line kernel. Each fuser op is
 timed twice: through its default overload (the custom-op wrapper, as eager calls it) and through its ``direct``
-overload (what Inductor's compiled graphs call, ``fuser/engine/direct_calls.py``).
+overload (what Inductor's compiled graphs call, ``fuser/inductor/direct_calls.py``).
 
     python benchmarks/host_overhead.py [--calls 2000] [--out report.md]      # CUDA
 """
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from fuser.engine import direct_calls
+    from fuser.inductor import direct_calls
 
     direct_calls.register()
     rows = []

@@ -33,14 +33,14 @@ class ExperimentalConfig(SectionedOptions):
     direct_calls: bool = True
     """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
     and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
-    host time on every call (``fuser/engine/direct_calls.py``)."""
+    host time on every call (``fuser/inductor/direct_calls.py``)."""
 
     embedding_grads: bool = True
     """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
     (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
     sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
     Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
-    (``fuser/patterns/embedding_grads.py``)."""
+    (``fuser/inductor/embedding_grads.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("direct_calls", "embedding_grads"):
@@ -135,7 +135,7 @@ class FuserConfig(SectionedOptions):
     no op body runs per call. Same kernels, same arguments. It helps a step whose host cannot launch kernels as fast
     as the GPU runs them, leaves a GPU-bound one as it was, and costs compile time. A call that might not compute the
     same inlined (it writes an input, its shapes are dynamic, its tensors are not on a GPU) stays a call;
-    ``fuser.report(model).not_inlined`` says why (``fuser/engine/inline_ops.py``). ``False`` keeps every call, e.g.
+    ``fuser.report(model).not_inlined`` says why (``fuser/inductor/inline_ops.py``). ``False`` keeps every call, e.g.
     to compare or to debug a kernel from Python."""
 
     cuda_graphs: bool = False
@@ -149,7 +149,7 @@ class FuserConfig(SectionedOptions):
     (``TORCH_LOGS=cudagraphs`` shows every graph declined). Needs ``inner_compiler="inductor"``. Gradient
     accumulation works: where ``.grad`` was ``None``, autograd keeps the backward replay's output buffer itself as
     ``.grad``, so fuser copies such a ``.grad`` out of the graphs' memory before the next call replays over it
-    (``fuser/engine/graph_pool_grads.py``); a step without accumulation copies nothing."""
+    (``fuser/inductor/graph_pool_grads.py``); a step without accumulation copies nothing."""
 
     zero3_leaf_layers: bool = True
     """Where DeepSpeed is installed, ``fuser.optimize_`` marks the model's decoder layers (the

@@ -19,9 +19,9 @@ import torch.fx
 
 from fuser import _compat, padding_free, zero3
 from fuser.config import FuserConfig
-from fuser.engine import direct_calls, graph_pool_grads, inline_ops
 from fuser.engine.protocol import post_grad_passes
 from fuser.engine.rewrite import RewriteResult, count_by_pattern, rewrite
+from fuser.inductor import direct_calls, graph_pool_grads, inline_ops
 from fuser.padding_free import PaddingFreeStats
 from fuser.patterns import PATTERNS
 from fuser.patterns.linear_cross_entropy import LOGITS_FROM_BEFORE_THE_GRAPH
@@ -51,9 +51,9 @@ _SOURCE_DIGEST = _source_digest()
 def _post_grad_pass(config: FuserConfig, counts: dict[str, int], inliner: inline_ops.Inliner | None = None) -> Any:
     """fuser's post-grad pass: the post-grad passes the registered patterns declare (``Pattern.post_grad``: the
     gated MLP's backward in place), each where it is enabled for ``config``; then, with ``config.inline_ops``, the
-    fused ops' calls that can be replaced by their kernels, launched by Inductor (:mod:`fuser.engine.inline_ops`,
+    fused ops' calls that can be replaced by their kernels, launched by Inductor (:mod:`fuser.inductor.inline_ops`,
     through ``inliner``); then, with ``config.experimental.direct_calls``, the remaining calls retargeted to their
-    direct overloads (:mod:`fuser.engine.direct_calls`); then the user's own post-grad pass, if any. The numbers of
+    direct overloads (:mod:`fuser.inductor.direct_calls`); then the user's own post-grad pass, if any. The numbers of
     calls the blocks' passes rewrote are added to ``counts``.
 
     Inductor folds ``CustomGraphPass.uuid()`` of its custom passes into the FX-graph and AOT-autograd cache

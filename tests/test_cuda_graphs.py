@@ -15,7 +15,7 @@ import torch
 
 import fuser
 from fuser import _compat
-from fuser.engine import graph_pool_grads
+from fuser.inductor import graph_pool_grads
 from tests.models.tiny import batch, build, grads, rel
 
 DECLINED = r"fuser: FuserConfig\(cuda_graphs=True\)"  # the start of fuser's warning of a declined graph

@@ -1,4 +1,4 @@
-"""Direct calls (``fuser.engine.direct_calls``): Inductor's compiled graphs call the fused ops through their
+"""Direct calls (``fuser.inductor.direct_calls``): Inductor's compiled graphs call the fused ops through their
 ``direct`` overloads, the same functions without the custom-op wrapper; ``experimental.direct_calls=False`` keeps
 the default overloads. The overloads compute what the default ones compute, bit for bit; a LoRA training step
 through Inductor (CPU, caches off so the post-grad pass runs) calls only direct overloads of functional ops, and
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fuser
-from fuser.engine import direct_calls
+from fuser.inductor import direct_calls
 from tests.models.inductor_steps import XDIST_GROUP, inductor_step
 from tests.models.tiny import batch, grads, lora_model
 

@@ -1,6 +1,6 @@
-"""The engine owns the pattern protocol: it imports nothing from ``fuser.patterns`` or ``fuser.kernels``, no module
-of ``fuser/`` takes part in an import cycle, and a pattern declared outside ``fuser/`` plugs in through
-``register_pattern``."""
+"""The engine owns the pattern protocol: it imports nothing from ``fuser.patterns``, ``fuser.kernels`` or the
+Inductor passes (``fuser.inductor``), which import no pattern; no module of ``fuser/`` takes part in an import cycle;
+and a pattern declared outside ``fuser/`` plugs in through ``register_pattern``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fuser.engine.match import Op, V
 from fuser.engine.protocol import PATTERNS, Decline, Pattern, Replacement, Variant, register_pattern
 
 PACKAGE = Path(fuser.__file__).parent
-OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels")
+OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels", "fuser.inductor", "fuser.refinements")
 
 
 def _modules() -> dict[str, Path]:
@@ -102,7 +102,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def _part(module: str) -> str:
     """The part of fuser a module belongs to: its subpackage (``fuser.engine``), or the top-level module itself."""
-    for package in ("fuser.engine", "fuser.patterns", "fuser.kernels"):
+    for package in ("fuser.engine", "fuser.patterns", "fuser.refinements", "fuser.inductor", "fuser.kernels"):
         if module == package or module.startswith(package + "."):
             return package
     return module
@@ -141,6 +141,64 @@ def test_the_engine_names_no_pattern_or_kernel_module():
             else:
                 continue
             assert not [n for n in named if n.startswith(OUTSIDE_THE_ENGINE)], f"{path}:{node.lineno}"
+
+
+@pytest.mark.parametrize(
+    ("part", "one_of_them", "not_imported"),
+    [
+        ("fuser.inductor", "fuser.inductor.inline_ops", ("fuser.patterns", "fuser.refinements")),
+        ("fuser.refinements", "fuser.refinements.lora_sums", ("fuser.patterns", "fuser.inductor")),
+    ],
+)
+def test_passes_and_refinements_name_no_pattern_module(part, one_of_them, not_imported):
+    """A post-grad pass or a refinement works on fused ops' calls, whichever pattern (or user) put them in the graph:
+    a pattern imports its passes and refinements (and the helpers its check shares with them), never the other way
+    round; passes and refinements do not import each other."""
+    graph = import_graph()
+    modules = {m: targets for m, targets in graph.items() if _part(m) == part}
+    assert one_of_them in modules
+    for module, targets in modules.items():
+        assert not [t for t in targets if _part(t) in not_imported], module
+
+
+def test_refinements_run_in_registration_order_and_after_what_they_declare():
+    """The engine orders the refinements by their ``after``; for the patterns fuser ships that is the order they
+    are registered in, the order they always ran in, so each graph comes out as it did."""
+    from fuser.engine.protocol import Refinement, refinement_order
+
+    shipped = [p for p in PATTERNS.values() if p.check.__module__.startswith("fuser.patterns.")]
+    order = [p.name for p in refinement_order(shipped)]
+    assert order == [p.name for p in shipped if p.after_apply is not None]
+    assert order == ["rms_norm_linear", "rms_norm", "swiglu", "geglu", "reglu", "upcast_linear", "lora_sum"]
+    for pattern in shipped:
+        if pattern.after_apply is not None:
+            assert isinstance(pattern.after_apply, Refinement), pattern.name
+            assert all(order.index(name) < order.index(pattern.name) for name in pattern.after_apply.after)
+    # with a pattern left out, the others keep their order
+    assert [p.name for p in refinement_order([p for p in shipped if p.name != "rms_norm"])] == [
+        n for n in order if n != "rms_norm"
+    ]
+
+
+def test_refinements_run_after_what_they_declare_whatever_the_registration_order():
+    from fuser.engine.protocol import Refinement, refinement_order
+
+    def pattern(name, after=()):
+        return Pattern(name, [], lambda *a: None, after_apply=Refinement(lambda graph, config: 0, after=after))
+
+    first, second = pattern("first", after=("second",)), pattern("second")
+    assert [p.name for p in refinement_order([first, second])] == ["second", "first"]
+    cycle = pattern("second", after=("first",))
+    with pytest.raises(ValueError, match="cycle"):
+        refinement_order([first, cycle])
+    # registering the pattern that closes a cycle is refused, and leaves the registry as it was
+    register_pattern(pattern("loops_back", after=("loops_back_too",)))
+    try:
+        with pytest.raises(ValueError, match="cycle"):
+            register_pattern(pattern("loops_back_too", after=("loops_back",)))
+        assert "loops_back_too" not in PATTERNS
+    finally:
+        del PATTERNS["loops_back"]
 
 
 def test_the_engine_imports_and_rewrites_alone_in_a_fresh_process():

@@ -1,4 +1,4 @@
-"""Inlined ops (``fuser.engine.inline_ops``): in a compiled GPU graph, a fused op's call is replaced by its body's
+"""Inlined ops (``fuser.inductor.inline_ops``): in a compiled GPU graph, a fused op's call is replaced by its body's
 buffers and kernel launches, traced at compile time, so that Inductor launches the kernels from its generated code.
 
 Without a GPU, the pass is tested on graphs of fake CUDA tensors: which calls it replaces, what it puts in their
@@ -18,8 +18,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fuser
 from fuser import _compat
-from fuser.engine import inline_ops, launches
+from fuser.inductor import inline_ops
 from fuser.kernels import _triton as tt
+from fuser.kernels import launches
 from fuser.kernels import rms_norm as R
 from tests.models.tiny import batch, build, grads, load_benchmark, rel, with_lora
 

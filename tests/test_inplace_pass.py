@@ -1,4 +1,4 @@
-"""The post-grad passes of ``fuser.patterns.gated_mlp_inplace`` (the gated backward's gradients written over gate
+"""The post-grad passes of ``fuser.inductor.gated_mlp_inplace`` (the gated backward's gradients written over gate
 and up; the down adapter's dx added into the base projection's gradient), on hand-built graphs: they rewrite only
 where no one can observe the mutation, and the rewritten graph computes what the original does."""
 
@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers the ops)
 import fuser.kernels.upcast_linear  # noqa: F401
-from fuser.patterns.gated_mlp_inplace import accumulate_gated_dx, reinplace_gated_backward
+from fuser.inductor.gated_mlp_inplace import accumulate_gated_dx, reinplace_gated_backward
 
 BWD = torch.ops.fuser.gated_activation_backward
 ROWS, COLS = 6, 10

@@ -164,6 +164,27 @@ def with_args(node: torch.fx.Node, values: dict[str, Any]) -> tuple[tuple, dict[
     return tuple(args), kwargs
 
 
+@dataclass(frozen=True)
+class Refinement:
+    """A follow-on rewrite of fused ops, run on each rewritten graph once every match is applied: it refines a
+    pattern's ops using what the other patterns' ops became (a gated op's product recomputed for the down
+    projection's weight gradient, a residual add taken into a norm). A pattern names it as its ``after_apply``.
+
+    ``run(graph, config)`` rewrites ``graph`` and returns how many of the pattern's fused ops it refined.
+    ``after``: the patterns whose refinements must have run first, because this one reads what they made or leaves
+    them what they take. Every match of every pattern is applied before any refinement runs, so reading another
+    pattern's ops as matched needs no entry. The engine runs the refinements of the patterns it compiles in an order
+    that honours every ``after`` among them (:func:`refinement_order`), registration order deciding the rest;
+    :func:`register_pattern` refuses a pattern whose ``after`` closes a cycle.
+    """
+
+    run: Callable[[torch.fx.Graph, Any], int]
+    after: tuple[str, ...] = ()
+
+    def __call__(self, graph: torch.fx.Graph, config: Any) -> int:
+        return self.run(graph, config)
+
+
 @dataclass
 class Pattern:
     """A block that fuser recognises.
@@ -182,7 +203,8 @@ class Pattern:
     ``default``: on when ``FuserConfig.patterns`` is None; a pattern with ``default=False`` runs only when named.
     ``after_apply(graph, config)``, if given, runs on each rewritten graph once every match is applied, and returns
     how many of this pattern's fused ops it refined using what the other fused ops became (upcast_linear: an input
-    that a gated op computes is recomputed, not saved).
+    that a gated op computes is recomputed, not saved): a :class:`Refinement`, which says which patterns' refinements
+    it runs after, or any such callable (it then runs after none in particular).
     ``post_grad``: passes over Inductor's post-grad graphs for this block's fused ops (:class:`PostGradPass`). A
     fused op can reach a graph without its pattern (a model that calls ``fuser.swiglu`` itself), so the backend
     runs the passes of every registered pattern, enabled or not.
@@ -245,7 +267,16 @@ def register_pattern(pattern: Pattern) -> Pattern:
                     f"fuser: pattern {other.name!r} has {kind} {theirs.__name__} under {pattern.options_key!r}; "
                     f"give pattern {pattern.name!r} another options_name for its {cls.__name__}"
                 )
+    previous = PATTERNS.get(pattern.name)
     PATTERNS[pattern.name] = pattern
+    try:
+        refinement_order(PATTERNS.values())
+    except ValueError:
+        if previous is None:
+            del PATTERNS[pattern.name]
+        else:
+            PATTERNS[pattern.name] = previous
+        raise
     return pattern
 
 
@@ -263,3 +294,21 @@ def registered_options(experimental: bool = False) -> dict[str, type]:
 def post_grad_passes(patterns: Iterable[Pattern]) -> tuple[PostGradPass, ...]:
     """The post-grad passes of ``patterns``, in their order, each once (swiglu and geglu share theirs)."""
     return tuple(dict.fromkeys(p for pattern in patterns for p in pattern.post_grad))
+
+
+def refinement_order(patterns: Iterable[Pattern]) -> list[Pattern]:
+    """Those of ``patterns`` that have an ``after_apply``, in the order the engine runs them: each after the patterns
+    its :attr:`Refinement.after` names (those among ``patterns``), the earliest in ``patterns``' order first where
+    that leaves a choice; raises ``ValueError`` on a cycle."""
+    refining = [p for p in patterns if p.after_apply is not None]
+    names = {p.name for p in refining}
+    waits = {p.name: {n for n in getattr(p.after_apply, "after", ()) if n in names and n != p.name} for p in refining}
+    ordered: list[Pattern] = []
+    while len(ordered) < len(refining):
+        done = {p.name for p in ordered}
+        ready = next((p for p in refining if p.name not in done and waits[p.name] <= done), None)
+        if ready is None:
+            stuck = sorted(n for n in names if n not in done)
+            raise ValueError(f"fuser: the refinements of {stuck} each wait for another's (Refinement.after): a cycle")
+        ordered.append(ready)
+    return ordered

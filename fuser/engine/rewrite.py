@@ -37,7 +37,7 @@ from fuser.engine.match import (
     shape_source,
     unused_shape_query,
 )
-from fuser.engine.protocol import ArgExpr, Decline, NotApplicable, Pattern, Replacement, Variant
+from fuser.engine.protocol import ArgExpr, Decline, NotApplicable, Pattern, Replacement, Variant, refinement_order
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -448,12 +448,11 @@ def rewrite(
     result = find_matches(clone, patterns, config)
     if result.matches:
         apply_matches(result)
-        for pattern in patterns:
-            if pattern.after_apply is not None:
-                n = sum(pattern.after_apply(module.graph, config) for _, module in subgraph_modules(clone))
-                if n:
-                    result.refined[pattern.name] = n
-                    log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)
+        for pattern in refinement_order(patterns):
+            n = sum(pattern.after_apply(module.graph, config) for _, module in subgraph_modules(clone))
+            if n:
+                result.refined[pattern.name] = n
+                log.debug("fuser: %s refined %d fused ops after the rewrite", pattern.name, n)
         for _, module in subgraph_modules(clone):
             erase_dead_function_calls(module.graph)  # linear Functions whose result a fused op took over
             module.recompile()

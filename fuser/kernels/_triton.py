@@ -18,7 +18,7 @@ from contextvars import ContextVar
 import torch
 
 from fuser._dtypes import FLOAT_DTYPES
-from fuser.engine.launches import launchable  # noqa: F401  (how every kernel module launches its kernels)
+from fuser.kernels.launches import launchable  # noqa: F401  (how every kernel module launches its kernels)
 
 try:  # Triton is optional: without it every op runs its reference path.
     import triton

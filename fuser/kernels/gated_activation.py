@@ -732,7 +732,7 @@ def gated_activation_backward_inplace_op(
 ) -> None:
     """dgate over ``g``, dup over ``u``: the backward without LoRA gradients, writing into its inputs.
 
-    Never called by autograd: a post-grad pass (:mod:`fuser.patterns.gated_mlp_inplace`) puts it in place of
+    Never called by autograd: a post-grad pass (:mod:`fuser.inductor.gated_mlp_inplace`) puts it in place of
     ``fuser::gated_activation_backward`` when nothing reads g and u afterwards (a checkpointed layer's recomputed
     gate and up), which saves two ``[tokens, intermediate]`` buffers at the peak of the layer's backward. The
     kernel reads each element of g and u before it writes the same element, so writing in place is exact."""

@@ -15,7 +15,7 @@ given the same product. ``fuser.patterns.gated_mlp`` puts the op in place of suc
 
 In the backward, dx (the product's gradient) is read by nothing but the gated op's backward, which reads gate and
 up as the recompute does. ``fuser::gated_down_grads`` is the two in one, for a post-grad pass to put in their place
-(``fuser.patterns.gated_down_grads``): dx = dy @ W, then the gated backward kernel writes dgate, dup and, over dx
+(``fuser.inductor.gated_down_grads``): dx = dy @ W, then the gated backward kernel writes dgate, dup and, over dx
 (each element read before it is written), the product, then dW = dyᵀ @ product. That is one pass over gate and up
 fewer than the recompute's (two ``[tokens, intermediate]`` reads and a write, for one write); the values are the
 same: the backward kernel forms the product as the forward kernel does. ``fuser::gated_down_grads_`` writes dgate

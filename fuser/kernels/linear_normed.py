@@ -13,11 +13,11 @@ The backward is written in aten ops, so AOT autograd traces it into the backward
 elimination merges into one rebuild, and Inductor fuses it into one pointwise kernel whose output lives from the
 first of those matmuls to the last. The matmuls are PyTorch's, as eager's.
 
-``dtype`` is the dtype the projection computes in: ``y``'s, or autocast's (fp32 master weights, an fp32 ``y``
-and a bf16 matmul). The op casts ``y``, the weight and the bias to it, as autocast does; the gradients come back in
-each input's own dtype. The rewrite (``fuser.patterns.rms_norm.rebuild_in_projections``) hands it ``y``, the weight
-and the bias already cast by the graph, so that under autocast these casts are Inductor's kernels, shared where
-they can be, and the op's own casts do nothing.
+``dtype`` is the dtype the projection computes in: ``y``'s, or autocast's (fp32 master weights, an fp32 ``y`` and a
+bf16 matmul). The op casts ``y``, the weight and the bias to it, as autocast does; the gradients come back in each
+input's own dtype. The rewrite (``fuser.refinements.norm_projections.rebuild_in_projections``) hands it ``y``, the
+weight and the bias already cast by the graph, so that under autocast these casts are Inductor's kernels, shared
+where they can be, and the op's own casts do nothing.
 """
 
 from __future__ import annotations

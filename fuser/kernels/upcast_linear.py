@@ -489,7 +489,7 @@ def upcast_linear_gated_grads_acc_(
     """``upcast_linear_gated_grads`` whose dx is added into ``dx_acc`` (``dx_acc += dx``, rounded as
     ``dx_acc + dx`` in dx_acc's dtype would be) instead of returned: returns dW (empty unless ``need_w``).
 
-    Never called by autograd: a post-grad pass (:mod:`fuser.patterns.gated_mlp_inplace`) puts it in place of
+    Never called by autograd: a post-grad pass (:mod:`fuser.inductor.gated_mlp_inplace`) puts it in place of
     ``upcast_linear_gated_grads`` + the ``add`` that sums its dx with the base projection's, when nothing reads
     the base's gradient afterwards; one ``[tokens, intermediate]`` buffer fewer at the peak."""
     dw = _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, allow_triton) if need_w else None

@@ -22,33 +22,34 @@ projection when its forward multiplies the product by a matrix: under QLoRA the 
 ``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
 
 Two refinements after the rewrite, for swiglu, geglu and reglu: a trainable down projection fed the fused product
-recomputes it for its weight gradient (``fuser::linear_gated``) instead of saving it (:class:`GatedMLPConfig`,
-``FuserConfig.gated_mlp``, ``options={"gated_mlp": {...}}``), and Inductor's post-grad graphs write the gated
-backward's gradients over its inputs where nobody can observe it (``fuser.patterns.gated_mlp_inplace``, this
-pattern's ``post_grad`` passes; :class:`GatedMLPExperimental`, ``FuserConfig.experimental.gated_mlp``).
+recomputes it for its weight gradient (``fuser::linear_gated``, :mod:`fuser.refinements.gated_down_projection`)
+instead of saving it (:class:`GatedMLPConfig`, ``FuserConfig.gated_mlp``, ``options={"gated_mlp": {...}}``), and
+Inductor's post-grad graphs write the gated backward's gradients over its inputs where nobody can observe it
+(``fuser.inductor.gated_mlp_inplace``, this pattern's ``post_grad`` passes; :class:`GatedMLPExperimental`,
+``FuserConfig.experimental.gated_mlp``).
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
-from fuser._compat import OpOverload, statically_equal
+from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
+from fuser.inductor.gated_down_grads import PASS as DOWN_GRADS_PASS
+from fuser.inductor.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
-from fuser.patterns.gated_down_grads import PASS as DOWN_GRADS_PASS
-from fuser.patterns.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
+from fuser.refinements.gated_down_projection import DOWN_WEIGHT
 
 if TYPE_CHECKING:
-    from fuser.config import FuserConfig
+    pass
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,12 @@ class GatedMLPExperimental:
     backward_in_place: bool = True
     """Inductor's post-grad graphs write the gated backward's dgate and dup over gate and up, and add the down
     adapter's dx into the base projection's gradient, where nothing reads them after
-    (``fuser.patterns.gated_mlp_inplace``)."""
+    (``fuser.inductor.gated_mlp_inplace``)."""
 
     backward_writes_product: bool = True
     """Where the down projection recomputes the product for its weight gradient
     (``gated_mlp.recompute_for_down_weight``), the gated backward's kernel writes the product instead, over the
-    product's gradient once read: one op, and one pass over gate and up fewer (``fuser.patterns.gated_down_grads``)."""
+    product's gradient once read: one op, and one pass over gate and up fewer (``fuser.inductor.gated_down_grads``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "experimental.gated_mlp")
@@ -415,90 +416,12 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     )
 
 
-class GatedProduct(NamedTuple):
-    """The arguments of a ``fuser::gated_activation`` call without LoRA terms: what its product is recomputed from."""
-
-    gate: torch.fx.Node
-    up: torch.fx.Node
-    gate_scale: float
-    up_scale: float
-    activation: str
-
-
-def plain_gated_product(x: Any) -> GatedProduct | None:
-    """The :class:`GatedProduct` when ``x`` is ``fuser::gated_activation(gate, up, None, None,
-    ...)[0]`` in a rewritten graph: a product the gated op's own forward can recompute from the gate and up it
-    saves (not when it absorbed LoRA sums: it then saves the sums); None otherwise."""
-    if not (isinstance(x, torch.fx.Node) and x.target is operator.getitem and x.args[1] == 0):
-        return None
-    gated = x.args[0]
-    if not isinstance(gated, torch.fx.Node) or gated.target is not torch.ops.fuser.gated_activation.default:
-        return None
-    if set(gated.kwargs) - {"gate_wide", "up_wide"}:
-        return None
-    # with the unrounded LoRA sums (gate_wide, up_wide) the forward's product came from those; a recompute from the
-    # rounded gate and up it saves is what the gradients are taken at, as eager's backward takes them
-    gate, up, gate_lora, up_lora, gate_scale, up_scale, activation = gated.args
-    if gate_lora is not None or up_lora is not None:
-        return None
-    return GatedProduct(gate, up, gate_scale, up_scale, activation)
-
-
-def swap_in_gated_linear(
-    graph: torch.fx.Graph,
-    node: torch.fx.Node,
-    op: OpOverload,
-    linear_args: tuple[Any, Any, Any],
-    product: GatedProduct,
-    kwargs: dict[str, Any] | None = None,
-) -> None:
-    """Put ``op(x, gate, up, W, b, gate_scale, up_scale, activation, **kwargs)`` in place of ``node``, a linear layer
-    ``(x, W, b)`` of the gated ``product`` x: the argument list ``fuser::linear_gated`` and
-    ``fuser::upcast_linear_gated`` share, whose backward recomputes x from gate and up."""
-    x, weight, bias = linear_args
-    gated = (product.gate, product.up, weight, bias, product.gate_scale, product.up_scale, product.activation)
-    with graph.inserting_before(node):
-        refined = graph.call_function(op, (x, *gated), dict(kwargs or {}))
-    refined.meta.update(node.meta)
-    node.replace_all_uses_with(refined)
-    graph.erase_node(node)
-
-
-def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activations: frozenset[str]) -> int:
-    """``linear(x, W, b)`` with ``x = gated_activation(gate, up, None, None, ..., activation)[0]`` (``activation``
-    one of ``activations``: each pattern refines its own ops) and ``W`` trainable → ``linear_gated(x, gate, up, W,
-    b, ...)`` (fuser/kernels/linear_gated.py), unless ``config.gated_mlp.recompute_for_down_weight`` is off;
-    returns how many. Not for a frozen ``W`` (LoRA's base: nothing saves ``x`` for it), nor when the gated op
-    absorbed LoRA sums (it then saves the sums), nor under autocast (``x`` and ``W`` of different dtypes)."""
-    if not config.gated_mlp.recompute_for_down_weight:
-        return 0
-    import fuser.kernels.linear_gated  # noqa: F401  (registers torch.ops.fuser.linear_gated)
-
-    n = 0
-    for node in list(graph.nodes):
-        linear = canonical(node)  # F.linear / nn.Linear's call, its arguments bound by name
-        if linear is None or linear.op != "linear":
-            continue
-        x, weight, bias = linear.args
-        product = plain_gated_product(x)
-        xt, wt = tensor_meta(x), tensor_meta(weight)
-        if product is None or product.activation not in activations or xt is None or wt is None:
-            continue
-        if not wt.requires_grad or wt.dtype != xt.dtype or wt.dim() != 2:
-            continue
-        if bias is not None and (tensor_meta(bias) is None or tensor_meta(bias).dtype != wt.dtype):
-            continue
-        swap_in_gated_linear(graph, node, torch.ops.fuser.linear_gated.default, linear.args, product)
-        n += 1
-    return n
-
-
 SWIGLU = Pattern(
     "swiglu",
     _variants(_silu) + _DECLINED,
     lambda found, variant, config: _check(found, variant, "silu"),
     anchors=frozenset({"silu"}),
-    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"silu"})),
+    after_apply=DOWN_WEIGHT["swiglu"],
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
     options=GatedMLPConfig,
     experimental_options=GatedMLPExperimental,
@@ -509,7 +432,7 @@ GEGLU = Pattern(
     _variants(_gelu),
     lambda found, variant, config: _check(found, variant, "gelu"),
     anchors=frozenset(),
-    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"gelu", "gelu_tanh"})),
+    after_apply=DOWN_WEIGHT["geglu"],
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
     options=GatedMLPConfig,
     experimental_options=GatedMLPExperimental,
@@ -520,7 +443,7 @@ REGLU = Pattern(
     _variants(_relu),
     lambda found, variant, config: _check(found, variant, "relu"),
     anchors=frozenset(),
-    after_apply=functools.partial(recompute_for_down_weight, activations=frozenset({"relu", "relu2"})),
+    after_apply=DOWN_WEIGHT["reglu"],
     post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
     options=GatedMLPConfig,
     experimental_options=GatedMLPExperimental,

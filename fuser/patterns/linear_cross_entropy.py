@@ -63,10 +63,10 @@ from fuser.engine.match import (
     same_scalar,
     scalar_hint,
 )
+from fuser.inductor.embedding_grads import PASS as EMBEDDING_GRADS_PASS
 from fuser.kernels.linear_cross_entropy import DwAccumulator, DwKernel  # importing it registers the op
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, CastTo, Decline, NotApplicable, Pattern, Replacement, Variant
-from fuser.patterns.embedding_grads import PASS as EMBEDDING_GRADS_PASS
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

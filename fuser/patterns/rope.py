@@ -60,8 +60,8 @@ import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope)
 from fuser._compat import statically_same_shape
 from fuser.engine.canonical import canonical, module_path, strip_exact_upcast, tensor_meta
 from fuser.engine.match import Found, Op, OptCast, S, V
+from fuser.inductor.op_casts import OUTPUT_CASTS_PASS, ROPE_GRAD_UPCASTS_PASS
 from fuser.patterns.base import FLOAT_DTYPES, ArgExpr, Decline, EmptyLike, Pattern, Replacement, Variant
-from fuser.patterns.op_casts import OUTPUT_CASTS_PASS, ROPE_GRAD_UPCASTS_PASS
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

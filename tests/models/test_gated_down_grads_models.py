@@ -1,5 +1,5 @@
 """Tier 3: under full fine-tuning the down projection's gradients and the gated backward are one op
-(``fuser::gated_down_grads``, ``fuser.patterns.gated_down_grads``), whose backward kernel writes the product the
+(``fuser::gated_down_grads``, ``fuser.inductor.gated_down_grads``), whose backward kernel writes the product the
 weight gradient needs instead of a separate recompute. Through Inductor on CPU (its caches off, so the post-grad
 passes run): one per layer, out of place where gate and up are saved activations, in place (``gated_down_grads_``)
 in a checkpointed layer; the training step is what it is with the pass switched off, bit for bit."""

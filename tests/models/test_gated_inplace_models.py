@@ -1,5 +1,5 @@
 """Tier 3: in a checkpointed layer the gated MLP's backward writes dgate and dup over the recomputed gate and up,
-and the down adapter's dx is added into the base projection's gradient (``fuser.patterns.gated_mlp_inplace``). Through
+and the down adapter's dx is added into the base projection's gradient (``fuser.inductor.gated_mlp_inplace``). Through
 Inductor on CPU (its caches off, so the post-grad pass runs): one of each per layer under gradient checkpointing;
 without it the gated backward stays out of place (gate and up are then saved activations) while the dx is still
 accumulated; the training step is what it is with the passes switched off, bit for bit, and eager's within fp32

@@ -176,7 +176,7 @@ def _graph(case: str) -> torch.fx.Graph:
 
 
 def _norm_terms(graph: torch.fx.Graph) -> list[int]:
-    from fuser.patterns.norm_grad_sums import apply_norm_grad_sums, plan_norm_grad_sums
+    from fuser.inductor.norm_grad_sums import apply_norm_grad_sums, plan_norm_grad_sums
 
     apply_norm_grad_sums(graph, plan_norm_grad_sums(graph))
     graph.lint()
@@ -235,7 +235,7 @@ def _upcast_graph(case: str) -> torch.fx.Graph:
 
 
 def _upcasts_taken(graph: torch.fx.Graph) -> int:
-    from fuser.patterns.norm_grad_sums import apply_norm_grad_upcasts, plan_norm_grad_upcasts
+    from fuser.inductor.norm_grad_sums import apply_norm_grad_upcasts, plan_norm_grad_upcasts
 
     taken = apply_norm_grad_upcasts(graph, plan_norm_grad_upcasts(graph))
     graph.lint()

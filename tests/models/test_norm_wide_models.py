@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fuser
-import fuser.patterns.lora_sum as lora_pattern
+import fuser.refinements.lora_sums as lora_refinements
 from fuser.kernels._triton import HAS_TRITON, interpreting
 from tests.models.tiny import N_LAYERS, batch, build, grads, rel, with_lora
 
@@ -29,7 +29,7 @@ def wide_norms(monkeypatch) -> list[str]:
     """Record, for every rewritten graph, how each ``fuser::rms_norm`` gets its fp32 input (after the last of
     lora_sum's refinements)."""
     seen: list[str] = []
-    real = lora_pattern.sum_into_norms
+    real = lora_refinements.sum_into_norms
 
     def spy(graph):
         n = real(graph)
@@ -41,14 +41,14 @@ def wide_norms(monkeypatch) -> list[str]:
                 wide = node.kwargs.get("x_wide")
                 if wide is None:
                     seen.append("none")
-                elif wide.op == "call_function" and wide.target in lora_pattern._ADDS:
+                elif wide.op == "call_function" and wide.target in lora_refinements._ADDS:
                     seen.append("residual add")
                 else:
                     seen.append("lora sum")
                 assert node.args[4] is None, node.args  # the normalised value is not rounded before the weight
         return n
 
-    monkeypatch.setattr(lora_pattern, "sum_into_norms", spy)
+    monkeypatch.setattr(lora_refinements, "sum_into_norms", spy)
     return seen
 
 
@@ -126,7 +126,7 @@ def test_a_sum_with_another_user_keeps_its_rounding():
 
     args = (torch.randn(4, 8).bfloat16(), torch.randn(4, 2), torch.randn(8, 2), torch.ones(8).bfloat16())
     gm = make_fx(f)(*args)
-    assert lora_pattern.sum_into_norms(gm.graph) == 0
+    assert lora_refinements.sum_into_norms(gm.graph) == 0
     assert not any(n.target is torch.ops.fuser.lora_sum_wide.default for n in gm.graph.nodes)
 
 
@@ -175,7 +175,7 @@ def test_a_norm_right_after_the_projection_reads_the_fp32_sum():
     torch.manual_seed(0)
     args = (torch.randn(4, 8).bfloat16(), torch.randn(4, 2), torch.randn(8, 2), torch.ones(8).bfloat16())
     gm = make_fx(f)(*args)
-    assert lora_pattern.sum_into_norms(gm.graph) == 1
+    assert lora_refinements.sum_into_norms(gm.graph) == 1
     gm.recompile()
     norm = next(n for n in gm.graph.nodes if n.target is torch.ops.fuser.rms_norm.default)
     wide = norm.kwargs["x_wide"]

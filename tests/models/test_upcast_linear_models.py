@@ -38,7 +38,7 @@ def test_with_every_pattern_as_close_to_fp32_as_eager_bf16():
 
 def _record_groups(monkeypatch) -> list[tuple[int, ...]]:
     """The weight row counts of each group the refinement merges from now on."""
-    import fuser.patterns.upcast_linear as P
+    import fuser.refinements.upcast_linears as P
 
     groups, merge = [], P._merge
     monkeypatch.setattr(P, "_merge", lambda graph, group: groups.append(

@@ -1,10 +1,10 @@
 """How fused ops launch their Triton kernels: ``launchable(kernel)[grid](...)``.
 
 Outside a trace that is the kernel itself, at the cost of one context-variable read. While
-:mod:`fuser.engine.inline_ops` traces an op's body (:func:`tracing_kernels`), it is
+:mod:`fuser.inductor.inline_ops` traces an op's body (:func:`tracing_kernels`), it is
 ``torch.library.wrap_triton(kernel)``, whose launch is recorded in the graph as a node that Inductor then launches
-from its generated code. The engine keeps this switch so that it needs no kernel module; every kernel module
-imports :func:`launchable` (through ``fuser.kernels._triton``).
+from its generated code. The switch lives with the kernels, so that they import nothing of the Inductor passes
+that trace them; every kernel module imports :func:`launchable` (through ``fuser.kernels._triton``).
 """
 
 from __future__ import annotations

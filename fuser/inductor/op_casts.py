@@ -12,7 +12,7 @@ copy that the next kernel reads back (at Llama-3.2-1B's step, 8192 × 2048 value
   casts' own.
 - ``rope_grad_upcasts`` (backward graphs): a ``rope_backward`` input that is an exact upcast to fp32 of a
   half-precision tensor, read only there, is replaced by that tensor; the kernel widens each value as it loads it.
-  (The norms' backwards get theirs from ``norm_grad_upcasts``, :mod:`fuser.patterns.norm_grad_sums`.)
+  (The norms' backwards get theirs from ``norm_grad_upcasts``, :mod:`fuser.inductor.norm_grad_sums`.)
 
 Both compute the same values. Always on (they only remove copies).
 """
@@ -31,8 +31,7 @@ import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rop
 from fuser._compat import python_dispatcher, statically_same_shape
 from fuser._dtypes import HALF_DTYPES
 from fuser.engine.canonical import tensor_meta
-from fuser.engine.protocol import call_args, with_args
-from fuser.patterns.base import PostGradPass
+from fuser.engine.protocol import PostGradPass, call_args, with_args
 
 log = logging.getLogger("fuser")
 

@@ -34,7 +34,7 @@ import torch.fx
 import fuser.kernels.embedding_grad  # noqa: F401  (registers fuser::embedding_grad)
 from fuser._compat import statically_same_shape
 from fuser.engine.canonical import tensor_meta
-from fuser.patterns.base import PostGradPass
+from fuser.engine.protocol import PostGradPass
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

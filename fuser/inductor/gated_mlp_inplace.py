@@ -43,7 +43,7 @@ import torch.fx
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers the fuser:: gated ops)
 from fuser._compat import has_storage
-from fuser.patterns.base import PostGradPass, call_args
+from fuser.engine.protocol import PostGradPass, call_args
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

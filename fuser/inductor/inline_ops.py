@@ -9,7 +9,7 @@ the host takes longer to launch a step than the GPU takes to run it (measurement
 The body depends only on what the graph already knows at compile time (shapes, strides, dtypes, the op's constant
 arguments), so this pass runs it once, at compile time, on the node's fake values, with each kernel launch recorded
 as Inductor's ``triton_kernel_wrapper_functional`` node (``torch.library.wrap_triton``, through
-:func:`fuser.engine.launches.launchable`), and puts the traced ops in the op's place. Inductor then allocates the
+:func:`fuser.kernels.launches.launchable`), and puts the traced ops in the op's place. Inductor then allocates the
 buffers in its memory plan and launches the kernels as it launches its own (what ``torch.library.triton_op`` does
 for an op, but after fuser's post-grad passes have seen the ops whole). Same kernels, same arguments: the results
 are the op's.
@@ -54,8 +54,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fuser import _compat
-from fuser.engine.direct_calls import NAMESPACE
-from fuser.engine.launches import tracing_kernels
+from fuser.inductor.direct_calls import NAMESPACE
+from fuser.kernels.launches import tracing_kernels
 
 
 class Declined(Exception):

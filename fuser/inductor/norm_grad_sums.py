@@ -39,9 +39,8 @@ import torch.fx
 import fuser.kernels.rms_norm  # noqa: F401  (registers the fuser:: norm ops)
 from fuser._compat import statically_same_shape
 from fuser.engine.canonical import tensor_meta
-from fuser.engine.protocol import call_args
-from fuser.patterns.base import PostGradPass
-from fuser.patterns.op_casts import read_unwidened, widened_source
+from fuser.engine.protocol import PostGradPass, call_args
+from fuser.inductor.op_casts import read_unwidened, widened_source
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig

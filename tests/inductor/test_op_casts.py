@@ -1,4 +1,4 @@
-"""Tier 1: the post-grad cast passes of :mod:`fuser.patterns.op_casts` on toy post-grad graphs, traced with fake
+"""Tier 1: the post-grad cast passes of :mod:`fuser.inductor.op_casts` on toy post-grad graphs, traced with fake
 tensors and run on real ones: the rewritten graph computes the original's values bit for bit."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fuser.kernels.rms_norm  # noqa: F401  (registers torch.ops.fuser.rms_norm and add_rms_norm)
 import fuser.kernels.rope  # noqa: F401  (registers torch.ops.fuser.rope and rope_backward)
-from fuser.patterns.op_casts import (
+from fuser.inductor.op_casts import (
     apply_output_casts,
     apply_rope_grad_upcasts,
     plan_output_casts,

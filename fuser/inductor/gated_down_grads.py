@@ -16,7 +16,7 @@ A pair is rewritten only when
 - the first call asks for dx and dW, and its dx is read by nothing but the gated backward, as its dout;
 - the gated backward reads the same gate and up nodes, asks for dgate and dup and no LoRA gradients, with the same
   activation;
-- for the in-place gated backward (``fuser.patterns.gated_mlp_inplace`` ran first): nothing but the two calls
+- for the in-place gated backward (``fuser.inductor.gated_mlp_inplace`` ran first): nothing but the two calls
   reads gate's or up's storage between them, since the fused op writes over them at the first call's place.
 
 The values are the same as the pair's: the product is formed as the forward kernel forms it. Off with
@@ -33,8 +33,8 @@ import torch
 import torch.fx
 
 import fuser.kernels.linear_gated  # noqa: F401  (registers the fuser:: down-projection ops)
-from fuser.patterns.base import PostGradPass, call_args
-from fuser.patterns.gated_mlp_inplace import _storage, _storages
+from fuser.engine.protocol import PostGradPass, call_args
+from fuser.inductor.gated_mlp_inplace import _storage, _storages
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
