@@ -74,18 +74,25 @@ TOP: dict[str, Any] = {
     "image_seq_length": 4,
     "projection_dim": 64,
     "image_grid_pinpoints": [[IMAGE, IMAGE]],
+    "latent_query_num": 4,  # Kosmos-2's image tokens
+    "projector_patch_to_query_dict": {(IMAGE // 8) ** 2: 4},  # Aria's: patches of 8 → 4 queries
+}
+# vision-config sizes some models tie together otherwise (Llama-4: the MLP's width is the pixel-shuffled width)
+VISION_OF: dict[str, dict[str, Any]] = {
+    "llama4": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64, "vision_output_dim": 64}
 }
 # lists of layer indices (feature layers, cross-attention layers): kept inside the tiny depth
 LAYER_LISTS = (
     "intermediate_layers_indices",
     "cross_attention_layers",
     "vision_feature_layers",
+    "vision_feature_layer",
     "deepstack_visual_indexes",
 )
 # a part of a module path that puts it on the vision side
 VISION_PATH = re.compile(
     r"vision|visual|image|img|patch|pixel|vit\b|projector|connector|merger|perceiver|resampler|qformer|query_tokens"
-    r"|vqmodel|mm_proj|adapter",
+    r"|vqmodel|mm_proj|adapter|aligner|language_projection|video",
     re.IGNORECASE,
 )
 SIDES = ("text", "vision")
@@ -130,10 +137,13 @@ def _rotary_half(merged: dict[str, Any]) -> int | None:
     return int(head * partial) // 2
 
 
-def _adjust(remap: dict[int, int]):
-    """``coverage._shrink``'s ``adjust`` for an image-text model: what the tiny sizes imply beyond ``TINY``."""
+def _adjust(remap: dict[int, int], vision: dict[str, Any]):
+    """``coverage._shrink``'s ``adjust`` for an image-text model: what the tiny sizes imply beyond ``TINY``;
+    ``vision``, the model's own vision-config sizes (``VISION_OF``)."""
 
     def adjust(config_cls: type, have: dict[str, Any], fields: dict[str, Any], in_media: bool) -> None:
+        if in_media:
+            fields.update({k: v for k, v in vision.items() if k in have})
         if in_media:  # the tiny ints where a vision config has floats or per-axis lists
             for key, value in {**text_coverage.TINY, **VISION}.items():
                 old = have.get(key)
@@ -144,6 +154,9 @@ def _adjust(remap: dict[int, int]):
                 elif isinstance(old, list) and old and all(isinstance(v, int) for v in old) and key in VISION:
                     fields[key] = [value] * len(old)
         fields.update({k: v for k, v in TOP.items() if have.get(k) is not None})
+        for key in ("image_token_id", "image_token_index"):  # a config that leaves it to the checkpoint (BLIP-2)
+            if key in have and have[key] is None and not in_media:
+                fields[key] = remap.setdefault(-1, text_coverage.VOCAB - 1 - len(remap))
         merged = {**have, **fields}
         depth = have.get("num_hidden_layers")
         for key, value in merged.items():
@@ -179,7 +192,8 @@ def _adjust(remap: dict[int, int]):
 def tiny_config(model_type: str) -> Any:
     from transformers import CONFIG_MAPPING
 
-    config = text_coverage._shrink(CONFIG_MAPPING[model_type], media=VISION, adjust=_adjust({}))
+    adjust = _adjust({}, VISION_OF.get(model_type, {}))
+    config = text_coverage._shrink(CONFIG_MAPPING[model_type], media=VISION, adjust=adjust)
     config.use_cache = False  # a training forward: no KV cache
     return config
 
@@ -202,7 +216,7 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
 # ----------------------------------------------------------------------------------------------------- inputs
 
 # models whose pixels no rule below reads from the forward and the config: model type → layout
-LAYOUTS: dict[str, str] = {}
+LAYOUTS: dict[str, str] = {"idefics": "crops"}
 # token_type_ids as the model reads them: 1 on image tokens (Gemma-3), or 0 on the prefix, image and prompt (PaliGemma)
 PREFIX_TOKEN_TYPES = ("paligemma",)
 
@@ -247,7 +261,7 @@ def pixels(model_type: str, model: torch.nn.Module, seed: int = 2) -> dict[str, 
     kind = layout(model_type, model)
     if kind == "grid":  # flattened patches of patch² × temporal pixels, in merge × merge groups
         patch = _size(vision.patch_size)
-        merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1
+        merge = _merge_size(vision)
         temporal = getattr(vision, "temporal_patch_size", None) or 1
         grid = IMAGE // patch
         grid -= grid % merge
@@ -261,6 +275,8 @@ def pixels(model_type: str, model: torch.nn.Module, seed: int = 2) -> dict[str, 
         return {"pixel_values": square}
     if kind == "sized":
         return {"pixel_values": square, "image_sizes": torch.tensor([[side, side]] * BATCH)}
+    if kind == "crops":  # one crop per image
+        return {"pixel_values": square[:, None]}
     if kind == "crops_masked":  # one crop per image, every pixel real
         return {
             "pixel_values": square[:, None],
@@ -280,6 +296,11 @@ def pixels(model_type: str, model: torch.nn.Module, seed: int = 2) -> dict[str, 
             "aspect_ratio_mask": mask,
         }
     raise ValueError(f"no image layout {kind!r}")
+
+
+def _merge_size(vision: Any) -> int:
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1
+    return _size(merge)
 
 
 def _rows(features: Any) -> int:
@@ -315,21 +336,48 @@ def _bracket_ids(config: Any) -> tuple[int | None, int | None]:
     return found[0], found[1]
 
 
+def _special_ids(config: Any) -> set[int]:
+    """Every token id the config names (at any level), which text tokens must not be."""
+    found = set()
+    for key, value in config.to_dict().items():
+        if isinstance(value, dict):
+            found |= {v for k, v in value.items() if _is_token_field(str(k)) and isinstance(v, int)}
+        elif _is_token_field(str(key)) and isinstance(value, int):
+            found.add(value)
+    return found
+
+
+def _image_features(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """``get_image_features`` of the model, or of its inner model where only that one has it (DeepSeek-VL)."""
+    owner = model if hasattr(model, "get_image_features") else getattr(model, "model", model)
+    with torch.no_grad():
+        return owner.get_image_features(**batch)
+
+
 def inputs(model_type: str, model: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
     """A batch of ``BATCH`` samples, each one image (``pixels``) and ``TEXT`` text tokens around its image tokens,
     with labels and the token masks the forward takes."""
     config = model.config
+    args = _forward_args(model)
     batch = pixels(model_type, model)
+    if "pixel_values" not in args:  # a model of this mapping that reads no image (Evolla reads proteins)
+        raise ValueError(f"{type(model).__name__}.forward takes no pixel_values")
+    vision = _vision(config)
+    if "image_merge_sizes" in args:  # VideoLLaMA-3: the merge of each image's patches
+        batch["image_merge_sizes"] = torch.tensor([_merge_size(vision)] * BATCH)
+    if "qformer_input_ids" in args:  # InstructBLIP: the instruction, also read by the Q-Former
+        batch["qformer_input_ids"] = torch.randint(4, 64, (BATCH, 8), generator=torch.Generator().manual_seed(seed))
     image_token = image_token_id(config)
     per_image = 0
-    if "cross_attention_mask" in _forward_args(model):
+    if "cross_attention_mask" in args:
         per_image = 1  # one image token; the decoder reads the image through cross-attention
+    elif "image_embeds_position_mask" in args:  # Kosmos-2: the image's latent queries where the mask says
+        image_token, per_image = text_coverage.VOCAB - 64, config.latent_query_num
     elif image_token is not None:
-        with torch.no_grad():
-            features = model.get_image_features(**batch)
-        per_image = _rows(features) // BATCH
+        per_image = _rows(_image_features(model, batch)) // BATCH
     g = torch.Generator().manual_seed(seed)
-    text = torch.randint(4, text_coverage.VOCAB - 64, (BATCH, TEXT), generator=g)
+    allowed = torch.tensor(sorted(set(range(4, text_coverage.VOCAB - 64)) - _special_ids(config)))
+    text = allowed[torch.randint(len(allowed), (BATCH, TEXT), generator=g)]
     opening, closing = _bracket_ids(config)
     image = (
         [t for t in (opening,) if t is not None] + [image_token] * per_image + [t for t in (closing,) if t is not None]
@@ -341,9 +389,12 @@ def inputs(model_type: str, model: torch.nn.Module, seed: int = 1) -> dict[str, 
     batch["input_ids"] = ids
     labels = ids.masked_fill(is_image, -100)
     batch["labels"] = labels
-    args = _forward_args(model)
     if "mm_token_type_ids" in args:
         batch["mm_token_type_ids"] = is_image.long()
+    if "image_embeds_position_mask" in args:
+        batch["image_embeds_position_mask"] = is_image.long()
+    if "image_attention_mask" in args:  # IDEFICS: every text token sees the sample's one image
+        batch["image_attention_mask"] = torch.ones(BATCH, ids.shape[1], 1, dtype=torch.long)
     if "token_type_ids" in args:
         if model_type in PREFIX_TOKEN_TYPES:  # 0: the image and the prompt, attended both ways; 1: the answer
             suffix = torch.zeros_like(ids)
@@ -372,7 +423,8 @@ def side_of_path(path: str) -> str:
 
 
 class Sides:
-    """Which side a graph node of ``model`` is on (the module docstring's rule)."""
+    """Which side a graph node of ``model`` is on (the module docstring's rule): as Dynamo recorded it where that
+    says (``static``), else the side of the module whose forward runs the graph (``running``)."""
 
     def __init__(self, model: torch.nn.Module):
         seen: dict[str, set[str]] = {}
@@ -383,7 +435,8 @@ class Sides:
             cls = type(module)
             if cls.__name__ not in seen:
                 for fn in vars(cls).values():
-                    with contextlib.suppress(OSError, TypeError):
+                    with contextlib.suppress(OSError, TypeError, ValueError):
+                        fn = inspect.unwrap(fn)  # a decorated forward: its own lines, not the decorator's
                         lines, first = inspect.getsourcelines(fn)
                         spans.setdefault(inspect.getsourcefile(fn), []).append(
                             (first, first + len(lines), cls.__name__)
@@ -392,6 +445,7 @@ class Sides:
         # the classes the model uses on one side only
         self.classes = {name: next(iter(sides)) for name, sides in seen.items() if len(sides) == 1}
         self.spans = spans
+        self.paths = {id(module): path for path, module in model.named_modules() if path}
 
     def _of_trace(self, trace: str) -> str | None:
         """The side of the innermost method of a one-side class in a node's stack trace."""
@@ -401,22 +455,38 @@ class Sides:
                     return self.classes[name]
         return None
 
-    def of(self, nodes: Any) -> str:
-        """The side of the graph nodes of one block: the innermost module class of one side around them, else the
-        method of such a class in their stack trace (a frame resumed after a graph break records no module), else
-        the module path; no module at all (the loss) is the text side."""
-        from fuser.engine.canonical import module_path
-
+    def static(self, nodes: Any) -> str | None:
+        """The side of the graph nodes of one block as Dynamo recorded them: the innermost module class of one side
+        around them, else the method of such a class in their stack trace (a frame resumed after a graph break
+        records no module above its own), else None."""
         for node in nodes:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            for path, kind in reversed(stack):
+            for path, kind in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
                 if not str(path).startswith("G[") and _class_name(kind) in self.classes:
                     return self.classes[_class_name(kind)]
             if side := self._of_trace(node.meta.get("stack_trace") or ""):
                 return side
-            if stack:
-                return side_of_path(module_path(node))
-        return "text"
+        return None
+
+    def classes_around(self, nodes: Any) -> set[str]:
+        """The module classes Dynamo recorded around ``nodes``, and those whose methods their stack traces pass
+        through (the frame's own module, which its records leave out)."""
+        names = set()
+        for node in nodes:
+            names |= {_class_name(kind) for _, kind in (node.meta.get("nn_module_stack") or {}).values()}
+            for file, line in re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or ""):
+                names |= {name for first, last, name in self.spans.get(file, ()) if first <= int(line) < last}
+        return names
+
+    def running(self) -> str | None:
+        """The side of the innermost module of the model whose forward is running (read from the Python frames: a
+        compiled graph runs inside the frame of the module it was traced from)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) in self.paths:
+                return side_of_path(self.paths[id(owner)])
+            frame = frame.f_back
+        return None
 
 
 def _class_name(kind: Any) -> str:
@@ -438,23 +508,26 @@ def _module_stack(model: torch.nn.Module, stack: list[str]):
             h.remove()
 
 
-def _ungated_up_projection(module: torch.nn.Module) -> torch.nn.Module | None:
-    """``coverage._ungated_up_projection``, and an MLP named otherwise: two linears, the first's output the second's
-    input, an activation module between them (a projector's ``linear_1, act, linear_2``, a merger's
-    ``Sequential(Linear, GELU, Linear)``)."""
-    found = text_coverage._ungated_up_projection(module)
-    if found is not None or text_coverage._is_gated_mlp_module(module):
-        return found
-    children = list(module.children())
-    linears = [i for i, c in enumerate(children) if isinstance(c, torch.nn.Linear)]
-    if len(linears) != 2 or len(children) > 5:
-        return None
-    up, down = children[linears[0]], children[linears[1]]
-    between = children[linears[0] + 1 : linears[1]]
+# un-gated MLPs a module may hold besides the one ``coverage._ungated_up_projection`` finds: (up, down) names
+EXTRA_UNGATED_PAIRS = (("intermediate_query", "output_query"),)  # a Q-Former layer's feed-forward of its queries
+
+
+def _ungated_up_projections(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The first projections of the un-gated MLPs ``module`` holds: ``coverage._ungated_up_projection``'s, a
+    Q-Former's second one, and an MLP named otherwise: two linears, the first's output the second's input, and an
+    activation module beside them (a projector's ``linear_1, act, linear_2``, a merger's ``Sequential(Linear, GELU,
+    Linear)``)."""
+    children = dict(module.named_children())
+    found = [children[up] for up, down in EXTRA_UNGATED_PAIRS if up in children and down in children]
+    first = text_coverage._ungated_up_projection(module)
+    if first is not None or text_coverage._is_gated_mlp_module(module):
+        return [first, *found] if first is not None else found
+    linears = [c for c in children.values() if isinstance(c, torch.nn.Linear)]
     activations = ("torch.nn.modules.activation", "transformers.activations")
-    if up.out_features == down.in_features and any(type(c).__module__ in activations for c in between):
-        return up
-    return None
+    if len(linears) == 2 and len(children) <= 5 and linears[0].out_features == linears[1].in_features:
+        if any(type(c).__module__ in activations for c in children.values()):
+            found.append(linears[0])
+    return found
 
 
 def _is_attention_module(module: torch.nn.Module) -> bool:
@@ -498,8 +571,7 @@ def eager_counts(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
                 handles.append(module.register_forward_hook(lambda *_, k=(side, block): counter.update([k])))
     for path, module in model.named_modules():
         side = side_of_path(path)
-        up = _ungated_up_projection(module)
-        if up is not None:
+        for up in _ungated_up_projections(module):
             handles.append(up.register_forward_hook(lambda *_, k=(side, "mlp"): counter.update([k])))
         if path:
             handles.append(module.register_forward_hook(lambda *_, s=side: ran.update([s])))
@@ -560,15 +632,15 @@ class _SideCounter(Counter):
 # ------------------------------------------------------------------------------------------------ fuser side
 
 
-def _sdpa_calls(gm: torch.fx.GraphModule, rewritten: set[Any], sides: Sides) -> list[tuple[str, str]]:
-    """(side, how it runs) of each SDPA call in ``gm``: ``native`` (no mask), ``rewritten`` (a mask fuser's
+def _sdpa_calls(gm: torch.fx.GraphModule, rewritten: set[Any], sides: Sides) -> list[tuple[str | None, str]]:
+    """(static side, how it runs) of each SDPA call in ``gm``: ``native`` (no mask), ``rewritten`` (a mask fuser's
     ``causal_attention`` replaces) or ``masked``."""
     calls = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.nn.functional.scaled_dot_product_attention:
             mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
             how = "rewritten" if node in rewritten else "native" if mask is None else "masked"
-            calls.append((sides.of([node]), how))
+            calls.append((sides.static([node]), how))
     return calls
 
 
@@ -587,24 +659,27 @@ def fuser_counts(
     fuser_report = importlib.import_module("fuser.report")  # the module; ``fuser.report`` is also a function
 
     sides = Sides(model)
-    graphs: list[tuple[list[tuple[str, str]], list[int]]] = []
+    graph_sides: list[Counter] = []  # per captured graph: the side of the module running it, per run
+    sdpa: list[list[tuple[str | None, str]]] = []  # per captured graph: its SDPA calls
+    graph_of: dict[int, int] = {}  # id of a match or near-miss → its graph
     find_matches = fuser_report.find_matches
 
     def find_and_read(gm: torch.fx.GraphModule, patterns: Any, cfg: Any) -> Any:
         result = find_matches(gm, patterns, cfg)
+        index = len(graph_sides)
+        graph_of.update({id(x): index for x in (*result.matches, *result.near_misses)})
         rewritten = {m.found.root for m in result.matches if m.pattern == "causal_attention"}
-        calls = _sdpa_calls(gm, rewritten, sides)
-        if calls:
-            runs = [0]
-            getattr(gm, "real_recompile", lambda: None)()  # a lazy graph module's forward calls gm.forward again
-            forward = gm.forward
+        sdpa.append(_sdpa_calls(gm, rewritten, sides))
+        ran: Counter = Counter()
+        graph_sides.append(ran)
+        getattr(gm, "real_recompile", lambda: None)()  # a lazy graph module's forward calls gm.forward again
+        forward = gm.forward
 
-            def counted(*args: Any) -> Any:
-                runs[0] += 1
-                return forward(*args)
+        def counted(*args: Any) -> Any:
+            ran[sides.running() or "text"] += 1
+            return forward(*args)
 
-            gm.forward = counted  # explain runs each captured graph through gm.forward
-            graphs.append((calls, runs))
+        gm.forward = counted  # explain runs each captured graph through gm.forward
         return result
 
     torch._dynamo.reset()
@@ -613,7 +688,13 @@ def fuser_counts(
         report = fuser.explain(model, config=config, **batch)
     finally:
         fuser_report.find_matches = find_matches
-    runs = dict(zip(map(id, report.matches), report.runs, strict=True)) if report.runs else {}
+
+    def runs_by_side(static: str | None, graph: int) -> Counter:
+        """A block's runs per side: all on its static side where Dynamo's records say it, else on the side of the
+        module that ran its graph each time."""
+        ran = graph_sides[graph]
+        return Counter({static: sum(ran.values())}) if static else ran
+
     counts = {
         s: {b: 0 for b in BLOCKS} | {"gated_elsewhere": [], "native_attention": 0, "masked_attention": 0} for s in SIDES
     }
@@ -624,39 +705,28 @@ def fuser_counts(
         if block is None or block == "attention":  # attention: from the graphs' SDPA calls, below
             continue
         nodes = (m.found.root, *m.found.nodes)
-        side = sides.of(nodes)
-        n = runs.get(id(m), 1)
-        if block == "rope":
-            n *= text_coverage._rotated_tensors(m)
-        if block == "gated" and not gated_classes & _classes_around(nodes):
-            counts[side]["gated_elsewhere"].append(m.module)
-            continue
-        counts[side][block] += n
-    for calls, ran in graphs:
-        for side, how in calls:
-            if how != "masked":
-                counts[side]["attention"] += ran[0]
-            if how in ("native", "masked"):
-                counts[side][f"{how}_attention"] += ran[0]
+        for side, n in runs_by_side(sides.static(nodes), graph_of[id(m)]).items():
+            if block == "gated" and not gated_classes & sides.classes_around(nodes):
+                counts[side]["gated_elsewhere"].append(m.module)
+                continue
+            counts[side][block] += n * (text_coverage._rotated_tensors(m) if block == "rope" else 1)
+    for graph, calls in enumerate(sdpa):
+        for static, how in calls:
+            for side, n in runs_by_side(static, graph).items():
+                if how != "masked":
+                    counts[side]["attention"] += n
+                if how in ("native", "masked"):
+                    counts[side][f"{how}_attention"] += n
     reasons: dict[str, dict[str, list[str]]] = {s: {b: [] for b in BLOCKS} for s in SIDES}
     for nm in report.near_misses:
         block = block_of.get(nm.pattern)
         if block is None or not nm.applicable:
             continue
         text = text_coverage._shorten(nm.reason, 400)
-        side = sides.of((nm.node, *nm.nodes))
-        if text not in reasons[side][block]:
-            reasons[side][block].append(text)
+        for side in runs_by_side(sides.static((nm.node, *nm.nodes)), graph_of[id(nm)]) or ["text"]:
+            if text not in reasons[side][block]:
+                reasons[side][block].append(text)
     return counts, reasons, report
-
-
-def _classes_around(nodes: Any) -> set[str]:
-    """The module class names Dynamo recorded around ``nodes``."""
-    names = set()
-    for node in nodes:
-        for _, kind in (node.meta.get("nn_module_stack") or {}).values():
-            names.add(_class_name(kind))
-    return names
 
 
 # ---------------------------------------------------------------------------------------------------- records
