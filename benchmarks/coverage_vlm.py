@@ -8,22 +8,27 @@ one image and text around the image's tokens:
 - ``pixel_values`` in the layout the forward reads (``layout``): ``[batch, channels, H, W]``, or a grid of
   flattened patches with ``image_grid_thw``, several crops or tiles per image with ``image_sizes``, a pixel mask
   or aspect-ratio ids and masks; which one is read from the forward's arguments and the config, and ``LAYOUTS``
-  names the few models that need another;
+  names the few models that need another (``VISION_OF``, ``TOP``: the sizes a few configs tie together);
 - as many image tokens in ``input_ids`` as the vision tower gives features: one call of the model's
   ``get_image_features`` on those pixels counts them (a model that takes no image tokens gets none);
 - the tensors processors return beside them where the forward takes them: ``mm_token_type_ids``,
-  ``token_type_ids`` (1 on image tokens; PaliGemma's: 0 on the image and the prompt), ``attention_mask``;
+  ``token_type_ids`` (1 on image tokens; PaliGemma's: 0 on the image and the prompt), Mllama's
+  ``cross_attention_mask``, IDEFICS's ``image_attention_mask``, Kosmos-2's ``image_embeds_position_mask``,
+  InstructBLIP's ``qformer_input_ids``, VideoLLaMA-3's ``image_merge_sizes`` (no ``attention_mask``: as
+  ``coverage.py`` runs the causal LMs);
 - labels: the input ids, with the image tokens ignored (-100), as collators do.
 
 A model that cannot be built so, or whose forward fails on these inputs, is recorded with the stage and the error.
 
 Sides. Each block is the text decoder's or the vision tower's, by the module it runs in. A module is on the vision
-side when a part of its path names it so (``VISION_PATH``: vision, visual, image, patch, the projector or connector
-that feeds image features to the decoder, a perceiver or Q-Former); every other module, and code outside any module
-(the loss), is on the text side. Eager counts take the side from the module's path. A fused op or a decline takes
-it from the modules Dynamo recorded around its nodes (``nn_module_stack``), innermost first: the first module class
-that the model uses on one side only decides (after a graph break, a resumed frame's paths start at its own module,
-so the path alone would not say), then the path; no module at all is the text side.
+side when a part of its path names it so (``VISION_PATH``: vision, visual, image, patch, video, the projector,
+connector, merger, aligner or adapter that feeds image features to the decoder, a perceiver, resampler or Q-Former);
+every other module, and code outside any module (the loss), is on the text side. Eager counts take the side from the
+path of the module that runs the block. A fused op or a decline takes it from Dynamo's records of its nodes where
+they say it: the innermost module class around them (``nn_module_stack``) that the model uses on one side only, else
+the method of such a class that their stack trace passes through; where neither does (a frame resumed after a graph
+break, or compiled from a shared norm class's own forward, records no module above itself), from the module whose
+forward ran the graph, each time it ran (read from the Python frames around the compiled graph's call).
 
 Attention is counted per call: eager, calls of ``F.scaled_dot_product_attention``, or (a model without SDPA)
 executions of modules whose class name says attention; fused, the SDPA calls in the graphs fuser would compile that
@@ -877,9 +882,10 @@ def markdown(records: list[dict[str, Any]], command: str, started: str, seconds:
         f"{TEXT} text tokens around as many image tokens as `get_image_features` gives; labels the ids, image "
         "tokens -100; `fuser.explain` with the default FuserConfig",
         "- sides: a block is the vision side's when a part of its module path says vision, visual, image, patch, "
-        "projector, connector, merger, perceiver, resampler, qformer or adapter (for a fused op or a decline: the "
-        "innermost module class around its nodes that the model uses on one side only, else the method of such a "
-        "class in its stack trace, else its path); everything else, and the loss, is the text side",
+        "video, projector, connector, merger, aligner, adapter, perceiver, resampler or qformer; everything else, "
+        "and the loss, is the text side. A fused op or a decline: the innermost module class around its nodes "
+        "that the model uses on one side only, else the method of such a class in its stack trace, else the module "
+        "whose forward ran its graph (`coverage_vlm.py`'s docstring)",
         "- counts (fuser / eager): norm = RMSNorm and LayerNorm modules run; rope = tensors rotated by a "
         "`*rot*apply*` function; gated = gated MLP modules; mlp = un-gated MLPs (up, activation, down); attention = "
         "SDPA calls (or attention modules calling none), fused when the graph runs them without a mask or fuser "
