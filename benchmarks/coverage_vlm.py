@@ -159,6 +159,8 @@ def _adjust(remap: dict[int, int], vision: dict[str, Any]):
                 elif isinstance(old, list) and old and all(isinstance(v, int) for v in old) and key in VISION:
                     fields[key] = [value] * len(old)
         fields.update({k: v for k, v in TOP.items() if have.get(k) is not None})
+        if isinstance(have.get("layers"), int) and not isinstance(have["layers"], bool):  # Kosmos-2's text depth
+            fields["layers"] = text_coverage.LAYERS
         for key in ("image_token_id", "image_token_index"):  # a config that leaves it to the checkpoint (BLIP-2)
             if key in have and have[key] is None and not in_media:
                 fields[key] = remap.setdefault(-1, text_coverage.VOCAB - 1 - len(remap))
@@ -517,22 +519,33 @@ def _module_stack(model: torch.nn.Module, stack: list[str]):
 EXTRA_UNGATED_PAIRS = (("intermediate_query", "output_query"),)  # a Q-Former layer's feed-forward of its queries
 
 
-def _ungated_up_projections(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The first projections of the un-gated MLPs ``module`` holds: ``coverage._ungated_up_projection``'s, a
-    Q-Former's second one, and an MLP named otherwise: two linears, the first's output the second's input, and an
-    activation module beside them (a projector's ``linear_1, act, linear_2``, a merger's ``Sequential(Linear, GELU,
-    Linear)``)."""
-    children = dict(module.named_children())
-    found = [children[up] for up, down in EXTRA_UNGATED_PAIRS if up in children and down in children]
-    first = text_coverage._ungated_up_projection(module)
-    if first is not None or text_coverage._is_gated_mlp_module(module):
-        return [first, *found] if first is not None else found
-    linears = [c for c in children.values() if isinstance(c, torch.nn.Linear)]
-    activations = ("torch.nn.modules.activation", "transformers.activations")
-    if len(linears) == 2 and len(children) <= 5 and linears[0].out_features == linears[1].in_features:
-        if any(type(c).__module__ in activations for c in children.values()):
-            found.append(linears[0])
+def _linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers among ``module``'s children, and in its children that are lists or sequences of layers."""
+    found = []
+    for child in module.children():
+        layers = list(child) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else [child]
+        found += [c for c in layers if isinstance(c, torch.nn.Linear)]
     return found
+
+
+def _is_activation(module: torch.nn.Module) -> bool:
+    return type(module).__module__ in ("torch.nn.modules.activation", "transformers.activations")
+
+
+def _ungated_mlp_counters(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose runs count ``module``'s un-gated MLPs: the activation modules of a module that holds at
+    least two linears and is no gated MLP nor attention (a projector's ``linear_1, act, linear_2``, a merger's
+    ``Sequential(Linear, GELU, Linear)``, one activation per MLP); else ``coverage._ungated_up_projection``'s first
+    projection (an MLP that calls its activation as a function), and a Q-Former layer's second feed-forward."""
+    if text_coverage._is_gated_mlp_module(module) or _is_attention_module(module):
+        return []
+    children = dict(module.named_children())
+    activations = [c for c in children.values() if _is_activation(c)]  # a Sequential's count as its own
+    if activations and len(_linears(module)) >= 2:
+        return activations
+    first = text_coverage._ungated_up_projection(module)
+    found = [children[up] for up, down in EXTRA_UNGATED_PAIRS if up in children and down in children]
+    return [first, *found] if first is not None else found
 
 
 def _is_attention_module(module: torch.nn.Module) -> bool:
@@ -576,7 +589,7 @@ def eager_counts(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
                 handles.append(module.register_forward_hook(lambda *_, k=(side, block): counter.update([k])))
     for path, module in model.named_modules():
         side = side_of_path(path)
-        for up in _ungated_up_projections(module):
+        for up in _ungated_mlp_counters(module):
             handles.append(up.register_forward_hook(lambda *_, k=(side, "mlp"): counter.update([k])))
         if path:
             handles.append(module.register_forward_hook(lambda *_, s=side: ran.update([s])))
@@ -748,7 +761,7 @@ def _no_near_miss(block: str, eager: dict[str, Any], fused: dict[str, Any]) -> s
             names = ", ".join(eager["eager_attention_classes"])
             return f"{NO_PATTERN}: attention that calls no F.scaled_dot_product_attention ({names})"
         return "fewer SDPA calls in the captured graphs than eager runs"
-    return f"{NO_PATTERN} (no form matched, no near-miss)"
+    return "no known form matched, and fuser reported no near-miss"
 
 
 def verdict(block: str, eager: dict[str, Any], fused: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
