@@ -26,9 +26,10 @@ connector, merger, aligner or adapter that feeds image features to the decoder, 
 every other module, and code outside any module (the loss), is on the text side. Eager counts take the side from the
 path of the module that runs the block. A fused op or a decline takes it from Dynamo's records of its nodes where
 they say it: the innermost module class around them (``nn_module_stack``) that the model uses on one side only, else
-the method of such a class that their stack trace passes through; where neither does (a frame resumed after a graph
-break, or compiled from a shared norm class's own forward, records no module above itself), from the module whose
-forward ran the graph, each time it ran (read from the Python frames around the compiled graph's call).
+the method of such a class that their stack trace passes through, else their module path where it says vision (a
+vision module the top-level forward calls itself); where none does (a frame resumed after a graph break, or compiled
+from a shared norm class's own forward, records no module above itself), from the module whose forward ran the
+graph, each time it ran (read from the Python frames around the compiled graph's call).
 
 Attention is counted per call: eager, calls of ``F.scaled_dot_product_attention``, or (a model without SDPA)
 executions of modules whose class name says attention; fused, the SDPA calls in the graphs fuser would compile that
@@ -465,13 +466,17 @@ class Sides:
     def static(self, nodes: Any) -> str | None:
         """The side of the graph nodes of one block as Dynamo recorded them: the innermost module class of one side
         around them, else the method of such a class in their stack trace (a frame resumed after a graph break
-        records no module above its own), else None."""
+        records no module above its own), else the vision side where their module path says so, else None."""
+        from fuser.engine.canonical import module_path
+
         for node in nodes:
             for path, kind in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
                 if not str(path).startswith("G[") and _class_name(kind) in self.classes:
                     return self.classes[_class_name(kind)]
             if side := self._of_trace(node.meta.get("stack_trace") or ""):
                 return side
+            if side_of_path(module_path(node)) == "vision":  # a vision module called from the top-level forward
+                return "vision"
         return None
 
     def classes_around(self, nodes: Any) -> set[str]:
@@ -897,10 +902,11 @@ def markdown(records: list[dict[str, Any]], command: str, started: str, seconds:
         "- sides: a block is the vision side's when a part of its module path says vision, visual, image, patch, "
         "video, projector, connector, merger, aligner, adapter, perceiver, resampler or qformer; everything else, "
         "and the loss, is the text side. A fused op or a decline: the innermost module class around its nodes "
-        "that the model uses on one side only, else the method of such a class in its stack trace, else the module "
-        "whose forward ran its graph (`coverage_vlm.py`'s docstring)",
+        "that the model uses on one side only, else the method of such a class in its stack trace, else its module "
+        "path if it says vision, else the module whose forward ran its graph (`coverage_vlm.py`'s docstring)",
         "- counts (fuser / eager): norm = RMSNorm and LayerNorm modules run; rope = tensors rotated by a "
-        "`*rot*apply*` function; gated = gated MLP modules; mlp = un-gated MLPs (up, activation, down); attention = "
+        "`*rot*apply*` function; gated = gated MLP modules; mlp = un-gated MLPs (activation modules of a module "
+        "holding two linears or more, or runs of a known up projection); attention = "
         "SDPA calls (or attention modules calling none), fused when the graph runs them without a mask or fuser "
         "rewrites the mask; loss = the lm_head's loss. ✗ = fewer fused than run; OVER = more (a false match)",
         "",
