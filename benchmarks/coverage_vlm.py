@@ -813,8 +813,9 @@ def run_one(model_type: str, with_train_check: bool = False, config: Any = None)
     if with_train_check:
         try:
             record["train_check"] = text_coverage.train_check(build(model_type), batch, rtol=TRAIN_RTOL)
-        except Exception as error:
-            record["train_check"] = text_coverage._shorten(f"error: {type(error).__name__}: {error}", 200)
+        except Exception as error:  # a backend's failure says what it raised after "raised:"
+            why = str(error).split("raised:", 1)[-1].split("Set TORCHDYNAMO_VERBOSE")[0]
+            record["train_check"] = text_coverage._shorten(f"error: {type(error).__name__}: {why}", 200)
     return record
 
 
