@@ -855,7 +855,9 @@ def totals(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _reason_key(reason: str) -> str:
-    """A reason with what differs between architectures folded: node numbers, sizes, file lines."""
+    """A reason with what differs between architectures folded: graph nodes, class names, sizes, file lines."""
+    reason = re.sub(r"`%[^`]*`", "`(a graph node)`", reason)
+    reason = re.sub(r"(F\.scaled_dot_product_attention) \([^)]*\)", r"\1", reason)
     reason = re.sub(r"_\d+\b", "_N", text_coverage._shorten(reason, 160))
     reason = re.sub(r"modeling_\w+\.py:\d+", "modeling_*.py", reason)
     return re.sub(r"\b\d+\b", "N", reason)
