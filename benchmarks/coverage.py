@@ -36,6 +36,11 @@ gradient's own norm is smaller), or of fp64's, or no further from fp64's than ea
     python benchmarks/coverage.py --out benchmarks/results/coverage_cpu_<date>.md          # every type
     python benchmarks/coverage.py --only llama,qwen3,gemma2 --out /tmp/coverage.md --train-check
     python benchmarks/coverage.py --worker llama          # one type, its JSON record on stdout (what the run calls)
+    python benchmarks/coverage.py --vlm --only qwen2_vl,llava --out /tmp/coverage_vlm.md   # image-text models
+
+With ``--vlm`` the model types are those of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, built tiny on both sides
+and run on image inputs, and each block is reported per side, the text decoder's and the vision tower's
+(``coverage_vlm.py`` says how); ``--only``, ``--timeout`` and ``--train-check`` work the same.
 
 The markdown report goes to ``--out``, the records to the same path with ``.json``. Exit status 1 when any block
 is matched more often than eager runs it.
@@ -205,12 +210,23 @@ MEDIA_CONFIGS = ("vision_config", "audio_config", "vq_config", "audio_encoder_co
 # --------------------------------------------------------------------------------------------------- building
 
 
-def _shrink(config_cls: type, base: Any = None) -> Any:
-    """A tiny config of ``config_cls``: the ``TINY`` fields it has, special tokens inside the vocabulary."""
+def _shrink(
+    config_cls: type,
+    base: Any = None,
+    media: dict[str, Any] | None = None,
+    in_media: bool = False,
+    adjust: Any = None,
+) -> Any:
+    """A tiny config of ``config_cls``: the ``TINY`` fields it has, special tokens inside the vocabulary. Media
+    sub-configs (``MEDIA_CONFIGS``) are kept as they are; with ``media``, they are shrunk too, by ``TINY`` updated
+    with ``media`` (an image-text model's vision tower: its image and patch sizes). ``adjust(config_cls, have,
+    fields, in_media)``, where given, edits each (sub-)config's tiny ``fields`` before it is built (its validators
+    run then), knowing its defaults ``have``."""
     default = base if base is not None else config_cls()
     have = default.to_dict()
     fields: dict[str, Any] = {}
-    for key, value in TINY.items():
+    tiny = {**TINY, **media} if in_media and media is not None else TINY
+    for key, value in tiny.items():
         if key in have and not isinstance(have[key], (list, dict)):
             if key in TINY_IF_SET and have[key] is None:
                 continue
@@ -238,8 +254,14 @@ def _shrink(config_cls: type, base: Any = None) -> Any:
             fields[key] = value[:LAYERS]
     for key in have:  # nested configs (text_config, a dbrx's ffn_config, blt's encoder/decoder/patcher) too
         sub = getattr(default, key, None)
-        if key not in MEDIA_CONFIGS and hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
-            fields[key] = _shrink(type(sub), sub).to_dict()
+        if not hasattr(sub, "to_dict") or not hasattr(type(sub), "model_type"):
+            continue
+        if key not in MEDIA_CONFIGS:
+            fields[key] = _shrink(type(sub), sub, media, in_media, adjust).to_dict()
+        elif media is not None:
+            fields[key] = _shrink(type(sub), sub, media, True, adjust).to_dict()
+    if adjust is not None:
+        adjust(config_cls, have, fields, in_media)
     return config_cls(**{**have, **fields}) if base is not None else config_cls(**fields)
 
 
@@ -510,21 +532,25 @@ def verdict(eager: int, fused: int, reasons: list[str]) -> dict[str, Any]:
     return {"status": "partial", "text": f"{fused}/{eager}: {why}"}
 
 
-def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
+def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tensor], rtol: float = GRAD_RTOL) -> str:
     """One fp32 step through fuser (aot_eager) versus eager fp32 and the same step in fp64: 'equal' (the loss and
-    every gradient within ``GRAD_RTOL`` of eager fp32's, or of fp64's, or no further from fp64's than eager
-    fp32's), or what differed. fp64 besides eager: where eager fp32 is itself imprecise (a loss near 0, whose
-    softmax gradient is a difference of nearly equal numbers) a more precise fused op would otherwise fail. A zero
-    gradient on one side counts as none on the other (a compiled graph returns zeros for a parameter that only
-    feeds an unused output: big_bird's pooler)."""
+    every gradient within ``rtol`` of eager fp32's, or of fp64's, or no further from fp64's than eager fp32's), or
+    what differed. ``ids``: the input ids (labels the same), or the whole batch as keyword arguments (an image-text
+    model's; its floating tensors, the pixels, are cast with the model). fp64 besides eager: where eager fp32 is
+    itself imprecise (a loss near 0, whose softmax gradient is a difference of nearly equal numbers) a more precise
+    fused op would otherwise fail. A zero gradient on one side counts as none on the other (a compiled graph returns
+    zeros for a parameter that only feeds an unused output: big_bird's pooler)."""
     import fuser
 
     inner, note = "aot_eager", ""
 
+    batch = ids if isinstance(ids, dict) else {"input_ids": ids, "labels": ids}
+
     def step(m: torch.nn.Module, compiled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         m = copy.deepcopy(m).to(dtype)
         run = fuser.optimize(m, fuser.FuserConfig(inner_compiler=inner, strict=True)) if compiled else m
-        loss = run(input_ids=ids, labels=ids).loss
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        loss = run(**cast).loss
         loss.backward()
         return loss.detach().double(), {
             n: p.grad.detach().double() for n, p in m.named_parameters() if p.grad is not None
@@ -544,7 +570,7 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
         torch._dynamo.reset()
         try:  # the same step through torch.compile alone: if AOT autograd fails there too, it is not fuser's
             plain = copy.deepcopy(model)
-            torch.compile(plain, backend="aot_eager")(input_ids=ids, labels=ids).loss.backward()
+            torch.compile(plain, backend="aot_eager")(**batch).loss.backward()
         except RuntimeError:
             pass
         else:
@@ -556,8 +582,8 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
     torch._dynamo.reset()
     bad = []
     if not (
-        abs(loss - loss64) <= max(GRAD_RTOL * abs(loss64), abs(loss_eager - loss64))
-        or abs(loss - loss_eager) <= GRAD_RTOL * abs(loss_eager)
+        abs(loss - loss64) <= max(rtol * abs(loss64), abs(loss_eager - loss64))
+        or abs(loss - loss_eager) <= rtol * abs(loss_eager)
     ):
         bad.append(f"loss {loss.item():.6g} vs fp64 {loss64.item():.6g} (eager fp32 {loss_eager.item():.6g})")
     one_sided = [n for n in set(grads) ^ set(grads_eager) if (grads.get(n, grads_eager.get(n)) != 0).any()]
@@ -573,7 +599,7 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor) -> str:
         err_eager = ((grads_eager[name] - grads64[name]).norm() / scale).item()
         # equal to eager fp32 within the tolerance (the model tests' rule), or as close to fp64 as eager fp32 is
         from_eager = ((grads[name] - grads_eager[name]).norm() / scale).item()
-        if not (err <= max(GRAD_RTOL, err_eager) or from_eager <= GRAD_RTOL):
+        if not (err <= max(rtol, err_eager) or from_eager <= rtol):
             bad.append(f"grad {name} rel {err:.2e} from fp64 (eager fp32 {err_eager:.2e})")
     note += reference.replace(":", "")
     if not bad:
@@ -657,11 +683,15 @@ def common_reasons(records: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
 # ----------------------------------------------------------------------------------------------------- report
 
 
-def _worker_records(model_types: list[str], timeout: float, with_train_check: bool) -> tuple[list[dict], str]:
+def _worker_records(
+    model_types: list[str], timeout: float, with_train_check: bool, vlm: bool = False
+) -> tuple[list[dict], str]:
     """Run ``--worker`` on ``model_types`` in one subprocess; the records it printed, and its last stderr line."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(model_types), "--timeout", str(timeout)]
     if with_train_check:
         cmd.append("--train-check")
+    if vlm:
+        cmd.append("--vlm")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * len(model_types) + 60)
         stdout, stderr = done.stdout, done.stderr
@@ -676,7 +706,7 @@ def _worker_records(model_types: list[str], timeout: float, with_train_check: bo
 
 
 def run_all(
-    model_types: list[str], timeout: float, with_train_check: bool, chunk: int = 16, log=print
+    model_types: list[str], timeout: float, with_train_check: bool, chunk: int = 16, log=print, vlm: bool = False
 ) -> list[dict[str, Any]]:
     """Subprocesses of ``chunk`` model types each (imports cost more than a tiny model): a type that hangs past
     ``timeout`` is stopped by an alarm inside the worker; one that crashes the worker, or hangs where the alarm
@@ -689,7 +719,7 @@ def run_all(
         for record in records:
             by_type[record["model_type"]] = record
             done_count += 1
-            summary = record.get("reason") or " | ".join(record["blocks"][b]["text"] for b in BLOCKS)
+            summary = record.get("reason") or _summary(record)
             log(
                 f"[{done_count}/{len(model_types)}] {record['model_type']} {record['status']} "
                 f"({record.get('seconds', '?')} s): {summary[:160]}"
@@ -697,12 +727,22 @@ def run_all(
 
     for i in range(0, len(model_types), chunk):
         part = model_types[i : i + chunk]
-        records, _ = _worker_records(part, timeout, with_train_check)
+        records, _ = _worker_records(part, timeout, with_train_check, vlm)
         take(records)
         for model_type in [t for t in part if t not in by_type]:
-            records, why = _worker_records([model_type], timeout, with_train_check)
+            records, why = _worker_records([model_type], timeout, with_train_check, vlm)
             take(records or [{"model_type": model_type, "status": "failed", "reason": f"worker {why}"}])
     return [by_type[t] for t in model_types]
+
+
+def _summary(record: dict[str, Any]) -> str:
+    """A record's cells on one line: its blocks, or (an image-text model's) its blocks per side."""
+    if "sides" in record:
+        return " / ".join(
+            side + ": " + ", ".join(f"{b} {c['text']}" for b, c in cells.items() if c["status"] != "absent")
+            for side, cells in record["sides"].items()
+        )
+    return " | ".join(record["blocks"][b]["text"] for b in BLOCKS)
 
 
 def totals(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -809,13 +849,26 @@ def markdown(records: list[dict[str, Any]], command: str, started: str, seconds:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="coverage.md", help="markdown report; the JSON records go beside it")
-    parser.add_argument("--only", default="", help="comma-separated model types (default: every causal LM)")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every one of the suite)")
+    parser.add_argument("--vlm", action="store_true", help="image-text models, per side (coverage_vlm.py)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type")
     parser.add_argument("--train-check", action="store_true", help="one fp32 training step vs eager per model")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # toy sizes: threads only spin on a shared machine
+    if args.vlm:
+        import coverage_vlm
+
+        classes, run, report, count = (
+            coverage_vlm.model_classes(),
+            coverage_vlm.run_one,
+            coverage_vlm.markdown,
+            coverage_vlm.totals,
+        )
+        suite = "image-text-to-text"
+    else:
+        classes, run, report, count, suite = _causal_lm_classes(), run_one, markdown, totals, "causal-LM"
     if args.worker:
         import logging
         import warnings
@@ -832,33 +885,27 @@ def main(argv: list[str] | None = None) -> int:
             start = time.time()
             signal.alarm(int(args.timeout))
             try:
-                record = run_one(model_type, args.train_check)
+                record = run(model_type, args.train_check)
             finally:
                 signal.alarm(0)
             record["seconds"] = round(time.time() - start, 1)
             print(json.dumps(record), flush=True)
         return 0
 
-    types = [t for t in args.only.split(",") if t] or list(_causal_lm_classes())
-    unknown = sorted(set(types) - set(_causal_lm_classes()))
+    types = [t for t in args.only.split(",") if t] or list(classes)
+    unknown = sorted(set(types) - set(classes))
     if unknown:
-        parser.error(f"not causal-LM model types of this transformers: {unknown}")
+        parser.error(f"not {suite} model types of this transformers: {unknown}")
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     t0 = time.time()
-    records = run_all(types, args.timeout, args.train_check, log=lambda s: print(s, flush=True))
+    records = run_all(types, args.timeout, args.train_check, log=lambda s: print(s, flush=True), vlm=args.vlm)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(records, command, started, time.time() - t0))
-    payload = {
-        "command": command,
-        "date": started,
-        "versions": _versions(),
-        "totals": totals(records),
-        "records": records,
-    }
+    out.write_text(report(records, command, started, time.time() - t0))
+    t = count(records)
+    payload = {"command": command, "date": started, "versions": _versions(), "totals": t, "records": records}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    t = totals(records)
     print(
         f"{t['fully_fused']} of {t['buildable']} buildable architectures fully fused; "
         f"false matches {t['false_matches']}; report in {out}"

@@ -114,3 +114,71 @@ def test_verdict_cells():
     assert coverage.verdict(0, 1, [])["status"] == "over"
     cell = coverage.verdict(2, 1, ["the product is also used by mul_3"])
     assert cell["status"] == "partial" and "also used" in cell["text"]
+
+
+# ------------------------------------------------------------------------------------------- image-text models
+
+# what the eager models run per side (2 text layers, 2 vision layers): Qwen2-VL's vision tower runs one SDPA call per
+# image (its attention splits the patches by image) and an un-gated MLP in its merger; LLaVA's CLIP tower has pre-
+# and post-layernorms, and its projector is an un-gated MLP
+VLM_EAGER = {
+    "qwen2_vl": {
+        "text": {"norm": 5, "rope": 4, "gated": 2, "mlp": 0, "attention": 2, "loss": 1},
+        "vision": {"norm": 5, "rope": 4, "gated": 0, "mlp": 3, "attention": 4, "loss": 0},
+    },
+    "llava": {
+        "text": {"norm": 5, "rope": 4, "gated": 2, "mlp": 0, "attention": 2, "loss": 1},
+        "vision": {"norm": 6, "rope": 0, "gated": 0, "mlp": 3, "attention": 2, "loss": 0},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def coverage_vlm():
+    return load_benchmark("coverage_vlm")
+
+
+@pytest.mark.parametrize("model_type", sorted(VLM_EAGER))
+def test_vlm_inputs_hold_as_many_image_tokens_as_the_vision_tower_gives(coverage_vlm, model_type):
+    model = coverage_vlm.build(model_type)
+    batch = coverage_vlm.inputs(model_type, model)
+    image_token = coverage_vlm.image_token_id(model.config)
+    features = coverage_vlm._rows(coverage_vlm._image_features(model, batch))
+    assert features > 0 and (batch["input_ids"] == image_token).sum() == features
+    assert (batch["labels"][batch["input_ids"] == image_token] == -100).all()
+    if model_type == "qwen2_vl":  # 4 × 4 patches of 8 × 8 pixels × 2 frames, merged 2 × 2 into 4 tokens an image
+        assert (
+            batch["pixel_values"].shape == (2 * 16, 3 * 2 * 8 * 8)
+            and batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+        )
+        assert (batch["mm_token_type_ids"] == (batch["input_ids"] == image_token)).all() and features == 8
+    else:
+        assert batch["pixel_values"].shape == (2, 3, 32, 32) and features == 2 * 16
+    counts = coverage_vlm.eager_counts(model, batch)
+    assert {s: {b: counts[s][b] for b in coverage_vlm.BLOCKS} for s in coverage_vlm.SIDES} == VLM_EAGER[model_type]
+
+
+def test_vlm_blocks_are_reported_on_their_side(coverage_vlm):
+    """Qwen2-VL: the text decoder fuses every block; the vision tower's norms, MLPs and mask-free attention count as
+    fused on the vision side, also where a graph break (its attention's .tolist()) leaves a resumed frame with no
+    module path, and its rotary embedding of [tokens, heads, dim] tensors is a miss with fuser's reason."""
+    record = coverage_vlm.run_one("qwen2_vl")
+    assert record["status"] == "ok", record.get("reason")
+    text, vision = record["sides"]["text"], record["sides"]["vision"]
+    assert {b: c["eager"] for b, c in text.items()} == VLM_EAGER["qwen2_vl"]["text"]
+    assert {b: c["status"] for b, c in text.items()} == {b: "absent" if b == "mlp" else "fused" for b in text}
+    assert coverage_vlm.side_fused(record, "text") and not coverage_vlm.side_fused(record, "vision")
+    assert {b: vision[b]["text"] for b in ("norm", "mlp")} == {"norm": "fused 5/5", "mlp": "fused 3/3"}
+    assert vision["attention"]["text"] == "fused 4/4 (SDPA, no mask)"
+    assert vision["rope"]["status"] == "partial" and vision["rope"]["fused"] == 0
+    assert any("rank 3" in r for r in vision["rope"]["reasons"]), vision["rope"]
+    assert not any(c["status"] == "over" for side in record["sides"].values() for c in side.values())
+    reasons = coverage_vlm.miss_reasons([record])
+    assert [(where, len(archs)) for where, _, archs in reasons] == [("vision rope", 1)]
+
+
+def test_vlm_side_of_a_module_path(coverage_vlm):
+    vision = ["model.visual.blocks.0.attn", "model.vision_tower.encoder.layers.1.mlp", "model.multi_modal_projector"]
+    text = ["model.language_model.layers.0.mlp", "lm_head", "model.language_model.norm", ""]
+    assert {coverage_vlm.side_of_path(p) for p in vision} == {"vision"}
+    assert {coverage_vlm.side_of_path(p) for p in text} == {"text"}
