@@ -248,10 +248,23 @@ class InterleavedFromComplex(ArgExpr):
         return both if self.shaped else graph.call_method("unsqueeze", (both, 1))
 
 
+@dataclass(frozen=True)
+class UpcastStripped(ArgExpr):
+    """``source`` read through its exact upcasts (``x.float()`` of a half x is x), looked through when the op is
+    built, not when it is matched: where another match has meanwhile replaced the cast (a q/k norm whose match ends
+    in its ``type_as``), ``source`` is that match's fused result and is read as it is; the node before the cast was
+    inside that match and is gone."""
+
+    source: Node
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        return strip_exact_upcast(self.source)
+
+
 def check_complex_rope(found: Found, form: RopeForm) -> Replacement:
     b = found.bindings
-    x = strip_exact_upcast(b["x"])
-    xt, ft, out = tensor_meta(x), tensor_meta(b["freqs"]), tensor_meta(found.root)
+    xt, ft, out = tensor_meta(strip_exact_upcast(b["x"])), tensor_meta(b["freqs"]), tensor_meta(found.root)
+    x = UpcastStripped(b["x"])
     if xt.dim() != 4 or not isinstance(xt.shape[-1], int):
         raise Decline(f"complex RoPE expects a 4-D [batch, seq, heads, head_dim] tensor, got {tuple(xt.shape)}")
     head_dim = xt.shape[-1]
@@ -370,7 +383,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
         sin = Unsqueezed(sin, sin_lead)
     # an exact upcast of q/k (Qwen2-VL's vision q.float()) is read as q itself: the op widens each value as it
     # loads it, computes in fp32 as eager did, and its gradient comes back in q's dtype, as the upcast's does
-    x = strip_exact_upcast(b["x"])
+    x = UpcastStripped(b["x"])
     x_lead = 4 - xt.dim()
     if x_lead:
         x = Unsqueezed(x, x_lead)
@@ -379,7 +392,7 @@ def check_rope(found: Found, variant: Variant, config: FuserConfig) -> Replaceme
     adapter = ViewedBack(heads_third, x_lead) if heads_third or x_lead else None
     return Replacement(
         torch.ops.fuser.rope.default,
-        (x, EmptyLike(strip_exact_upcast(b["x"])), cos, sin, rotary_dim, form.layout, out.dtype),
+        (x, EmptyLike(UpcastStripped(b["x"])), cos, sin, rotary_dim, form.layout, out.dtype),
         output_index=0,
         output_adapter=adapter,
     )

@@ -652,9 +652,12 @@ def test_vision_rotation_reads_q_without_its_upcast_and_writes_the_cast_back_dty
 
 
 def _graph_node(arg):
-    """The graph node a replacement argument is built from (through views the rewrite builds)."""
+    """The graph node a replacement argument is built from (through views the rewrite builds, and the upcasts it
+    looks through when it builds the op)."""
+    from fuser.patterns.rope import UpcastStripped
+
     while not isinstance(arg, torch.fx.Node):
-        arg = arg.source
+        arg = arg.build(arg.source.graph) if isinstance(arg, UpcastStripped) else arg.source
     return arg
 
 
