@@ -426,7 +426,7 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
     :meth:`FuserBackend.calls_scope`."""
     target = weakref.ref(model)  # the scope is stored on the model: no strong reference back to it
     unchecked_layers = [True]
-    leaves = [False]  # ZeRO-3 runs the decoder layers as leaf modules
+    leaves: list[Any] = [None, False]  # the decoder layers (found once), and whether ZeRO-3 runs them as leaves
 
     def scope() -> contextlib.AbstractContextManager:
         one = target()
@@ -435,12 +435,14 @@ def _calls_scope(model: torch.nn.Module, chosen: FuserBackend) -> Callable[[], c
                 zero3.gather_lm_head_with_its_caller(one)
             if unchecked_layers[0]:
                 unchecked_layers[0] = not zero3.warn_if_layers_are_not_leaves(one)
-            if not leaves[0] and zero3.leaf_layers_partitioned(one):
-                leaves[0] = True
+            if leaves[0] is None:
+                leaves[0] = zero3.repeated_layers(one)
+            if not leaves[1] and zero3.leaf_layers_partitioned(leaves[0]):
+                leaves[1] = True
                 if chosen.config.zero3_leaf_layers and one in zero3.MARKED:  # fuser's leaves, in place
-                    zero3.first_layer_input_requires_grad(one)
+                    zero3.first_layer_input_requires_grad(one, leaves[0])
         # under ZeRO-3 leaves the hook is needed (zero3.first_layer_input_requires_grad): it stays
-        if one is None or not chosen.config.ignore_input_require_grads or leaves[0]:
+        if one is None or not chosen.config.ignore_input_require_grads or leaves[1]:
             return chosen.calls_scope()
         stack = contextlib.ExitStack()
         stack.enter_context(input_require_grads_ignored(one))

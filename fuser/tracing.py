@@ -105,22 +105,28 @@ _EMBEDDING_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _input_require_grads_hooks(model: Any) -> list[tuple[dict, Any, Any]]:
-    """(hooks dict, key, hook) of each ``make_inputs_require_grads`` hook on ``model``'s input embeddings."""
+def input_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s input embedding modules, as transformers' ``get_input_embeddings`` names them (each once)."""
     owners = _EMBEDDING_OWNERS.get(model)
     if owners is None:
         owners = [m for m in model.modules() if callable(getattr(m, "get_input_embeddings", None))]
         _EMBEDDING_OWNERS[model] = owners
-    found, seen = [], set()
+    found: dict[int, torch.nn.Module] = {}
     for owner in owners:
         try:
             embedding = owner.get_input_embeddings()
         except (NotImplementedError, AttributeError):
             continue
-        hooks = getattr(embedding, "_forward_hooks", None)
-        if not hooks or id(hooks) in seen:
-            continue
-        seen.add(id(hooks))
+        if isinstance(embedding, torch.nn.Module):
+            found.setdefault(id(embedding), embedding)
+    return list(found.values())
+
+
+def _input_require_grads_hooks(model: Any) -> list[tuple[dict, Any, Any]]:
+    """(hooks dict, key, hook) of each ``make_inputs_require_grads`` hook on ``model``'s input embeddings."""
+    found = []
+    for embedding in input_embeddings(model):
+        hooks = embedding._forward_hooks
         found += [(hooks, key, hook) for key, hook in hooks.items() if _is_input_require_grads_hook(hook)]
     return found
 

@@ -75,10 +75,9 @@ def mark_layers_as_zero3_leaves(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def leaf_layers_partitioned(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s decoder layers are ZeRO-3 leaf modules and ZeRO-3 has partitioned them (their parameters
-    carry DeepSpeed's ``ds_id``)."""
-    layers = repeated_layers(model)
+def leaf_layers_partitioned(layers: list[torch.nn.Module]) -> bool:
+    """Whether ``layers`` (a model's :func:`repeated_layers`) are ZeRO-3 leaf modules and ZeRO-3 has partitioned
+    them (their parameters carry DeepSpeed's ``ds_id``)."""
     return (
         bool(layers)
         and getattr(layers[0], Z3_LEAF_ATTRIBUTE, False) is True
@@ -91,34 +90,27 @@ def make_inputs_require_grads(module: torch.nn.Module, inputs: Any, output: torc
     output.requires_grad_(True)
 
 
-def first_layer_input_requires_grad(model: torch.nn.Module) -> bool:
-    """Under ZeRO-3 with the decoder layers as leaf modules, make the first layer's input need a gradient where
-    nothing else does (a frozen input embedding, as under LoRA): DeepSpeed collects a leaf's gradients in a backward
-    hook that, when no input of the leaf needs a gradient, runs before the leaf's backward and fails on its released
-    parameters (DeepSpeed's own ``set_z3_leaf_modules`` fails so too). The hook is transformers'
-    ``enable_input_require_grads`` one, on the input embeddings; ``ignore_input_require_grads`` keeps it under
-    ZeRO-3 leaves. Returns whether it registered one (once per model: afterwards the hook is there)."""
-    if not leaf_layers_partitioned(model) or not any(p.requires_grad for p in repeated_layers(model)[0].parameters()):
-        return False
-    owner = next((m for m in model.modules() if callable(getattr(m, "get_input_embeddings", None))), None)
-    try:
-        embedding = owner.get_input_embeddings() if owner is not None else None
-    except (NotImplementedError, AttributeError):
-        embedding = None
-    weight = getattr(embedding, "weight", None)
-    if not isinstance(embedding, torch.nn.Module) or weight is None or weight.requires_grad:
-        return False
-    from fuser.tracing import _is_input_require_grads_hook
+def first_layer_input_requires_grad(model: torch.nn.Module, layers: list[torch.nn.Module]) -> bool:
+    """Under ZeRO-3 with ``layers`` (partitioned, :func:`leaf_layers_partitioned`) as leaf modules, make the first
+    layer's input need a gradient where nothing else does (a frozen input embedding, as under LoRA): DeepSpeed
+    collects a leaf's gradients in a backward hook that, when no input of the leaf needs a gradient, runs before the
+    leaf's backward and fails on its released parameters (DeepSpeed's own ``set_z3_leaf_modules`` fails so too).
+    The hook is transformers' ``enable_input_require_grads`` one, on the input embeddings;
+    ``ignore_input_require_grads`` keeps it under ZeRO-3 leaves. Returns whether it registered one."""
+    from fuser.tracing import _input_require_grads_hooks, input_embeddings
 
-    if any(_is_input_require_grads_hook(hook) for hook in embedding._forward_hooks.values()):
+    if not any(p.requires_grad for p in layers[0].parameters()) or _input_require_grads_hooks(model):
         return False
-    embedding.register_forward_hook(make_inputs_require_grads)
-    log.info(
-        "fuser: the input embeddings' output now requires grad (transformers' enable_input_require_grads): under "
-        "DeepSpeed ZeRO-3 the decoder layers are leaf modules, whose gradients DeepSpeed collects only when an "
-        "input of the layer needs a gradient"
-    )
-    return True
+    frozen = [e for e in input_embeddings(model) if not any(p.requires_grad for p in e.parameters())]
+    for embedding in frozen:
+        embedding.register_forward_hook(make_inputs_require_grads)
+    if frozen:
+        log.info(
+            "fuser: the input embeddings' output now requires grad (transformers' enable_input_require_grads): "
+            "under DeepSpeed ZeRO-3 the decoder layers are leaf modules, whose gradients DeepSpeed collects only when "
+            "an input of the layer needs a gradient"
+        )
+    return bool(frozen)
 
 
 def warn_if_layers_are_not_leaves(model: torch.nn.Module) -> bool:
