@@ -1,7 +1,7 @@
 """Whole-step error under CPU bf16 autocast (fp32 weights) at tiny width: eager, Inductor and fuser against an fp64
 run of the same model, per seed (results: ``autocast_step_error_spread_cpu_2026-12-06.md``).
 
-    PYTHONPATH=. python3 benchmarks/autocast_error_spread.py [seeds]
+    PYTHONPATH=src python3 benchmarks/autocast_error_spread.py [seeds]
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def import_fuser_ops():
     try:
         import fuser.kernels.gated_activation as ops
     except ImportError:  # a checkout without `pip install -e .`
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
         import fuser.kernels.gated_activation as ops
     return {"swiglu": ops.swiglu, "geglu": lambda g, u: ops.geglu(g, u, approximate="tanh")}
 

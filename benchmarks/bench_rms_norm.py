@@ -72,7 +72,7 @@ def import_fuser_rms_norm():
     try:
         import fuser
     except ImportError:  # a checkout without `pip install -e .`
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
         import fuser
     if hasattr(fuser, "rms_norm"):
         return fuser.rms_norm

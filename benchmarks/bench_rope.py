@@ -88,7 +88,7 @@ def import_fuser_rope():
     try:
         import fuser
     except ImportError:  # a checkout without `pip install -e .`
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
         import fuser
     if hasattr(fuser, "rope"):
         return fuser.rope

@@ -85,7 +85,7 @@ import torch
 from jobs import LORA, MODELS, PRESETS, model_config
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
 # byte-level tokens: 0..255 are bytes, then three specials
 BOS, EOS, PAD = 256, 257, 258

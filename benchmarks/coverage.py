@@ -71,7 +71,7 @@ import torch
 
 # this checkout's fuser, also where another checkout is installed (`pip install -e .` of a second worktree): the
 # run measures the code beside it; the workers, started with this interpreter and file, do the same
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
 BLOCKS = ("norm", "rope", "gated", "mlp", "loss")
 # which fuser patterns count for which block

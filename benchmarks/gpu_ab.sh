@@ -5,7 +5,7 @@
 # The device's host speed varied by up to 1.7x within minutes on 2026-12-03 (benchmarks/results/
 # host_bound_gemma3_qwen25_h200_2026-12-03.md), so a single run per side cannot show a change of a few percent.
 # Usage (device tool; A is a directory that travels with the tree, e.g. made by
-#   `git archive <ref> fuser benchmarks | tar -x -C .ab/<ref>`; carry [".whl"] where Liger-Kernel is wanted):
+#   `git archive <ref> src benchmarks | tar -x -C .ab/<ref>`; carry [".whl"] where Liger-Kernel is wanted):
 #   A=.ab/main JOB=gemma3-4b-lora RUNS=2 STEPS=8 WARMUP=2 TIMEOUT=170 bash benchmarks/gpu_ab.sh
 #   RUNS: runs per side (2); EXTRA: more train_step.py flags for every run; MODE: train_step.py's mode (fuser).
 # Each side imports its own tree's fuser: fuser is uninstalled for the call (an editable install would shadow
@@ -14,7 +14,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 JOB=${JOB:?JOB=<train_step.py job>}
-A=$(cd "${A:?A=<directory of the other tree, with fuser/ and benchmarks/>}" && pwd)
+A=$(cd "${A:?A=<directory of the other tree, with src/fuser/ and benchmarks/>}" && pwd)
 B=$PWD
 R=/tmp/ab_$JOB
 mkdir -p "$OUT" "$R"
@@ -27,7 +27,7 @@ for side in A B; do
   root=$A; [ "$side" = B ] && root=$B
   (cd "$root" && python3 - <<'EOF'
 import pathlib, sys
-sys.path.insert(0, str(pathlib.Path.cwd()))
+sys.path[:0] = [str(pathlib.Path.cwd() / "src"), str(pathlib.Path.cwd())]
 import fuser
 print("imports", fuser.__file__)
 EOF

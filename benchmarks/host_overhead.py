@@ -5,7 +5,7 @@ with the queue kept from filling (a synchronize every ``--chunk`` calls), is the
 it. Beside fuser's ops, the floors it is made of: an aten op (``torch.add``), an empty ``torch.library.custom_op``
 (the dispatcher and the custom-op wrapper alone) and a bare Triton launch of a one-line kernel. Each fuser op is
 timed twice: through its default overload (the custom-op wrapper, as eager calls it) and through its ``direct``
-overload (what Inductor's compiled graphs call, ``fuser/inductor/direct_calls.py``).
+overload (what Inductor's compiled graphs call, ``src/fuser/inductor/direct_calls.py``).
 
     python benchmarks/host_overhead.py [--calls 2000] [--out report.md]      # CUDA
 """

@@ -20,7 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ from train_step_report import results_table
 from train_step_timing import last_error_line, new_result, run_mode
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
 # This file is the driver (the command line, every mode in its own process, --combine). The jobs are jobs.py's;
 # one mode's run is train_step_timing.py, its model train_step_model.py, --profile train_step_profile.py,

@@ -23,7 +23,7 @@ from train_step_report import report_header
 
 
 def fuser_kernel_names() -> list[str]:
-    """The launched ``@triton.jit`` kernels of fuser/kernels/*.py (helpers, named ``_…``, are inlined)."""
+    """The launched ``@triton.jit`` kernels of src/fuser/kernels/*.py (helpers, named ``_…``, are inlined)."""
     spec = importlib.util.find_spec("fuser")
     if spec is None or spec.origin is None:
         return []

@@ -116,7 +116,7 @@ from trainer_throughput_mode import (
 )
 
 if importlib.util.find_spec("fuser") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
 MODES = ("none", "torch_compile", "liger", "unsloth", "fuser")
 VERSIONED = (
@@ -234,9 +234,12 @@ def versions() -> dict[str, str]:
     if commit:
         # a copy of the working tree (the GPU machine's) can carry changes its git HEAD does not have
         changed = subprocess.run(
-            ["git", "status", "--porcelain", "--", "fuser"], cwd=Path(__file__).parent, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--", "src/fuser"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
-        found["fuser"] = f"commit {commit}" + (" + changes to fuser/ not in it" if changed else "")
+        found["fuser"] = f"commit {commit}" + (" + changes to src/fuser/ not in it" if changed else "")
     return found
 
 

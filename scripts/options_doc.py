@@ -20,7 +20,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if docs/options.md differs")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))  # this checkout's fuser, whichever one is installed
+    sys.path.insert(0, str(ROOT / "src"))  # this checkout's fuser, whichever one is installed
     from fuser.config import options_reference
 
     text = options_reference(markdown=True)

@@ -1,6 +1,6 @@
 """The engine owns the pattern protocol: it imports nothing from ``fuser.patterns``, ``fuser.kernels`` or the
-Inductor passes (``fuser.inductor``), which import no pattern; no module of ``fuser/`` takes part in an import cycle;
-and a pattern declared outside ``fuser/`` plugs in through ``register_pattern``."""
+Inductor passes (``fuser.inductor``), which import no pattern; no module of ``fuser`` takes part in an import cycle;
+and a pattern declared outside ``src/fuser/`` plugs in through ``register_pattern``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ OUTSIDE_THE_ENGINE = ("fuser.patterns", "fuser.kernels", "fuser.inductor", "fuse
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of ``fuser/`` by dotted name (a package by its ``__init__.py``)."""
+    """Every module of ``src/fuser/`` by dotted name (a package by its ``__init__.py``)."""
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -202,7 +202,7 @@ def test_refinements_run_after_what_they_declare_whatever_the_registration_order
 
 
 def test_the_engine_imports_and_rewrites_alone_in_a_fresh_process():
-    """Every engine module imported, and a rewrite run, with ``fuser/__init__.py`` (which imports the patterns and
+    """Every engine module imported, and a rewrite run, with ``src/fuser/__init__.py`` (which imports the patterns and
     kernels on purpose) left out: no ``fuser.patterns`` or ``fuser.kernels`` module gets loaded."""
     script = textwrap.dedent(
         f"""
@@ -240,7 +240,7 @@ def test_the_engine_imports_and_rewrites_alone_in_a_fresh_process():
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
-# --- a pattern from outside fuser/ ------------------------------------------------------------------------------
+# --- a pattern from outside src/fuser/ ------------------------------------------------------------------------------
 
 
 def double_negation(x):

@@ -1,4 +1,4 @@
-"""No import cycles among fuser's runtime imports: the module-level imports of every module under ``fuser/``
+"""No import cycles among fuser's runtime imports: the module-level imports of every module under ``src/fuser/``
 (imports inside functions, made when called, and ``if TYPE_CHECKING:`` blocks are not runtime imports at import
 time). ``from package import name`` counts as importing ``package.name`` where that is a module, else the package."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "fuser"
+ROOT = Path(__file__).resolve().parents[1] / "src" / "fuser"
 
 
 def _modules() -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """The code states contracts and reasons; evidence lives in docs/ and benchmarks/results/.
 
-Comments, docstrings and messages in ``fuser/`` carry no dates, GPU names, issue numbers, result-file paths or
+Comments, docstrings and messages in ``src/fuser/`` carry no dates, GPU names, issue numbers, result-file paths or
 measured figures (times, throughputs, speed-up ratios, percentages, fractional memory sizes): those go stale the day
 they are written, and belong beside the command, date, GPU and versions that produced them — ``docs/defaults.md``
 (why a default is what it is, by option), ``docs/notes/`` (kernel choices and post-mortems), ``benchmarks/results/``.
@@ -16,7 +16,7 @@ import tokenize
 
 import pytest
 
-FUSER = pathlib.Path(__file__).resolve().parent.parent / "fuser"
+FUSER = pathlib.Path(__file__).resolve().parent.parent / "src" / "fuser"
 
 RULES = {
     "a GPU name": r"\b(?:[HAB]100|H200|B200|A10G?|V100|L40S?|RTX ?\d{4}|MI[23]\d0X?)\b",
@@ -53,7 +53,7 @@ def find_evidence(path: pathlib.Path) -> list[str]:
 def test_no_evidence_in_fuser_comments_docstrings_or_messages():
     found = [hit for path in sorted(FUSER.rglob("*.py")) for hit in find_evidence(path)]
     assert not found, (
-        "evidence in fuser/ (state the contract or the reason there; put the figure, with its command, date, GPU "
+        "evidence in src/fuser/ (state the contract or the reason there; put the figure, with its command, date, GPU "
         "and versions, in docs/defaults.md, docs/notes/ or benchmarks/results/, and point to it):\n" + "\n".join(found)
     )
 

@@ -1,6 +1,6 @@
-"""Private PyTorch APIs (``torch._*``) are used in ``fuser/_compat.py`` only, or listed there with the reason.
+"""Private PyTorch APIs (``torch._*``) are used in ``src/fuser/_compat.py`` only, or listed there with the reason.
 
-Every ``.py`` under ``fuser/`` but ``_compat.py`` is parsed (``ast``: strings, such as messages that name
+Every ``.py`` under ``src/fuser/`` but ``_compat.py`` is parsed (``ast``: strings, such as messages that name
 ``torch._dynamo.config``, are not code) for attribute chains and imports whose name after ``torch.`` starts with an
 underscore; each (file, API) found must be in ``_compat.PRIVATE_USES_ELSEWHERE``, and each entry there must still be
 found and be named in ``_compat``'s docstring.
@@ -14,7 +14,7 @@ import pathlib
 from fuser import _compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMPAT = ROOT / "fuser" / "_compat.py"
+COMPAT = ROOT / "src" / "fuser" / "_compat.py"
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -56,7 +56,7 @@ def private_uses(source: str) -> set[str]:
 
 def _found() -> set[tuple[str, str]]:
     out = set()
-    for path in sorted((ROOT / "fuser").rglob("*.py")):
+    for path in sorted((ROOT / "src" / "fuser").rglob("*.py")):
         if path == COMPAT:
             continue
         rel = path.relative_to(ROOT).as_posix()
@@ -68,7 +68,7 @@ def test_private_uses_outside_compat_are_listed() -> None:
     listed = {(path, api) for path, api, _ in _compat.PRIVATE_USES_ELSEWHERE}
     found = _found()
     assert not found - listed, (
-        "private torch APIs used outside fuser/_compat.py: move them there (a named function or alias), or list "
+        "private torch APIs used outside src/fuser/_compat.py: move them there (a named function or alias), or list "
         f"them in its PRIVATE_USES_ELSEWHERE and docstring with why they cannot move: {sorted(found - listed)}"
     )
     assert not listed - found, f"listed in _compat.PRIVATE_USES_ELSEWHERE but no longer used: {sorted(listed - found)}"

@@ -1,4 +1,4 @@
-"""``FuserConfig.ignore_logging`` (fuser/tracing.py): a ``logger.warning_once`` between the lm_head and the loss, as
+"""``FuserConfig.ignore_logging`` (src/fuser/tracing.py): a ``logger.warning_once`` between the lm_head and the loss, as
 transformers' ``loss_function`` logs it for GPT-2-style classes, breaks no graph under ``fuser.optimize``,
 ``optimize_`` and ``explain``, so the loss fuses and the step equals eager; Dynamo's setting holds only inside those
 calls; switched off (or through ``torch.compile(backend="fuser")``) the break stays, and the reports say where."""

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3's two changes to a model, in one process: its ``F.linear`` replaced by a custom autograd.Function
-(``fuser/engine/function_linear.py`` reads such a Function as a linear when its forward and backward graphs are a
-linear's) and the decoder layers marked as ZeRO-3 leaf modules by ``optimize_`` (``fuser/zero3.py``). The
+(``src/fuser/engine/function_linear.py`` reads such a Function as a linear when its forward and backward graphs are a
+linear's) and the decoder layers marked as ZeRO-3 leaf modules by ``optimize_`` (``src/fuser/zero3.py``). The
 two-process Trainer runs are ``tests/integrations/test_deepspeed.py``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The post-grad pass ``embedding_grads`` (``fuser/inductor/embedding_grads.py``) on aten graphs written the two ways
+"""The post-grad pass ``embedding_grads`` (``fuser.inductor.embedding_grads``) on aten graphs written the two ways
 Inductor's decomposition of ``embedding_dense_backward`` writes them: torch ≤ 2.11's ``index_put(…, accumulate=True)``
 of ``where(ids == padding_idx, 0, g)`` (what the H200's torch 2.11 produced, 2026-12-03), and the newer
 ``_unsafe_masked_index_put_accumulate`` with a validity mask; each alone, cast to bf16, and with a tied lm_head's

@@ -14,7 +14,7 @@ cannot run on fake CUDA tensors, so the backward ops are called directly. Run as
 ``TRITON_INTERPRET``; prints one JSON line: kernel signature and constexprs → "ok" or the error, and each
 scenario whose wrapper failed after (or before) its launches: some torch ops on fake CUDA tensors need a CUDA
 device guard that a CPU-only torch lacks. ``tests/kernels/test_sm90_compile.py`` runs it and checks that every
-kernel of ``fuser/kernels`` was compiled, in bf16 among others.
+kernel of ``src/fuser/kernels`` was compiled, in bf16 among others.
 """
 
 from __future__ import annotations

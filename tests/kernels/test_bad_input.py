@@ -5,7 +5,7 @@ where eager raises on the same device.
   (``IndexError: Target 256 is out of bounds.``), both CPU paths (reference and Triton through the interpreter),
   through ``torch.ops.fuser.linear_cross_entropy`` and ``fuser.linear_cross_entropy``, and through a tiny Llama
   compiled by ``fuser.optimize``. (On a GPU the op cannot check without a host synchronisation: see the module
-  docstring of ``fuser/kernels/linear_cross_entropy.py``.)
+  docstring of ``src/fuser/kernels/linear_cross_entropy.py``.)
 - Non-floating tensors (integer, bool, complex) into every public functional op: a ``ValueError`` naming the op,
   the argument and its dtype; where eager's equivalent raises on the same input, an instance of eager's exception
   type too (checked here by running eager, not assumed).

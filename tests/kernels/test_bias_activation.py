@@ -1,4 +1,4 @@
-"""Kernel tests for the un-gated MLP's activation (``fuser/kernels/bias_activation.py``): Triton launchers,
+"""Kernel tests for the un-gated MLP's activation (``src/fuser/kernels/bias_activation.py``): Triton launchers,
 reference, custom op.
 
 Oracle: the reference formulas on fp64 copies; the hand-written reference backward is checked against fp64

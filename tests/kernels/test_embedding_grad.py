@@ -1,4 +1,4 @@
-"""Kernel tests for ``fuser::embedding_grad`` (``fuser/kernels/embedding_grad.py``): an embedding's weight gradient
+"""Kernel tests for ``fuser::embedding_grad`` (``src/fuser/kernels/embedding_grad.py``): an embedding's weight gradient
 (a scatter-add of the output gradient's rows by id), plus an optional scaled tied-lm_head gradient.
 
 Oracle: the reference on fp64 copies of the inputs, itself checked against the gradient autograd gives

@@ -1,4 +1,4 @@
-"""Kernel tests for the fused gated activation (``fuser/kernels/gated_activation.py``): launchers, reference, ops.
+"""Kernel tests for the fused gated activation (``src/fuser/kernels/gated_activation.py``): launchers, reference, ops.
 
 Oracle: the reference formulas (``gated_activation_forward/backward(..., impl="reference")``) evaluated on fp64
 copies of the inputs; the hand-written reference backward is itself checked against fp64 autograd of the activation

@@ -1,4 +1,4 @@
-"""Kernel tests for the fused LayerNorm (``fuser/kernels/layer_norm.py``): Triton launchers, reference, custom op.
+"""Kernel tests for the fused LayerNorm (``src/fuser/kernels/layer_norm.py``): Triton launchers, reference, custom op.
 
 Oracle: the reference formulas (``impl="reference"``) on fp64 copies of the inputs; the hand-written reference
 backward is itself checked against fp64 autograd of ``F.layer_norm``. Error measure and tolerances as in

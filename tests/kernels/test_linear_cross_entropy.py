@@ -1,4 +1,4 @@
-"""Kernel tests for the fused lm_head + cross-entropy (``fuser/kernels/linear_cross_entropy.py``).
+"""Kernel tests for the fused lm_head + cross-entropy (``src/fuser/kernels/linear_cross_entropy.py``).
 
 Oracle: fp64 autograd of the loss written the way models write it, in plain torch, on fp64 copies of the inputs
 (the same rounded fp16 values the op reads)::

@@ -1,4 +1,4 @@
-"""Kernel tests for the fused RMSNorm (``fuser/kernels/rms_norm.py``): Triton launchers, reference, custom op.
+"""Kernel tests for the fused RMSNorm (``src/fuser/kernels/rms_norm.py``): Triton launchers, reference, custom op.
 
 Oracle: the reference formulas (``rms_norm_forward/backward(..., impl="reference")``) evaluated on fp64 copies of
 the inputs; the hand-written reference backward is itself checked against fp64 autograd of the reference forward.

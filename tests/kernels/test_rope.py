@@ -1,4 +1,4 @@
-"""Kernel tests for the fused rotary embedding (``fuser/kernels/rope.py``): launchers, reference, custom ops.
+"""Kernel tests for the fused rotary embedding (``src/fuser/kernels/rope.py``): launchers, reference, custom ops.
 
 Oracle: the reference formulas (``rope_rotate(..., impl="reference")``) evaluated on fp64 copies of the inputs; the
 hand-written reference backward is itself checked against fp64 autograd of the rotation written the way models

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kernel_names() -> set[str]:
     names: list[str] = []
-    for path in sorted((ROOT / "fuser" / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "src" / "fuser" / "kernels").glob("*.py")):
         names += re.findall(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def\s+(\w+)", path.read_text())
     return {n for n in names if not n.startswith("_")}  # helpers (``_transform``) are inlined into kernels
 
@@ -29,7 +29,7 @@ def kernel_names() -> set[str]:
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_every_kernel_compiles_for_an_h200_without_one():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")]))
     script = ROOT / "tests" / "kernels" / "sm90_compile_check.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The causal sliding-window attention op (``fuser/kernels/window_attention.py``) against fp64 maths.
+"""The causal sliding-window attention op (``src/fuser/kernels/window_attention.py``) against fp64 maths.
 
 On the CPU the op runs its reference maths, so these tests check the op's wiring (schema, fake, autograd, the
 GQA head mapping, the window's edges) and :func:`window_sdpa`'s fallback; the GPU tests (``@pytest.mark.gpu``) check

@@ -7,7 +7,7 @@ Inductor's post-grad backward graph holds
     dgate, dup = fuser::gated_activation_backward(dx, gate, up, …)      (or its in-place form, over gate and up)
 
 where the first recomputes the product ``act(gate) · up`` for dW with the forward kernel (a pass over gate and up)
-and the second reads gate and up again. ``fuser::gated_down_grads`` (fuser/kernels/linear_gated.py) does both with
+and the second reads gate and up again. ``fuser::gated_down_grads`` (src/fuser/kernels/linear_gated.py) does both with
 one pass: its backward kernel also writes the product, over dx. On Llama-3.2-1B (8192 × 8192 per layer, bf16)
 that is two 128 MiB reads and a kernel launch fewer per layer.
 

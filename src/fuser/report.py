@@ -206,7 +206,7 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, verbose: 
     ``fuser.optimize`` of the same class compiles as if explain had not run.
 
     It traces as :func:`fuser.optimize` does: with ``config.ignore_logging`` (default) the logging calls that print
-    at most once do not break the graph (``fuser/tracing.py``).
+    at most once do not break the graph (``src/fuser/tracing.py``).
     """
     config = config or FuserConfig()
     patterns = [p for name, p in PATTERNS.items() if config.enabled(name)]

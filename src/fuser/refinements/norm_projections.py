@@ -1,5 +1,5 @@
 """Refinement of ``rms_norm_linear``'s norms: a trainable projection of a norm's output becomes
-``fuser::linear_normed`` (``fuser/kernels/linear_normed.py``), whose backward rebuilds the normalised value from the
+``fuser::linear_normed`` (``src/fuser/kernels/linear_normed.py``), whose backward rebuilds the normalised value from the
 norm's input and rstd, which the norm's own backward saves anyway, instead of saving it. The pattern's check asks
 :func:`why_not_rebuilt` whether a projection it accepts leaves nothing of the value saved once refined;
 ``upcast_linear``'s refinement reads a norm's op through :func:`norm_of` for peft's LoRA A.
@@ -122,7 +122,7 @@ def _cast_for(graph: torch.fx.Graph, value: object, dtype: torch.dtype, before: 
 
 def rebuild_in_projections(graph: torch.fx.Graph, config: FuserConfig) -> int:
     """``linear(y, W, b)`` with ``y`` an RMSNorm's output that only projections read and ``W`` trainable →
-    ``linear_normed(y, h, rstd, norm weight, offset, W, b, dtype)`` (``fuser/kernels/linear_normed.py``), whose
+    ``linear_normed(y, h, rstd, norm weight, offset, W, b, dtype)`` (``src/fuser/kernels/linear_normed.py``), whose
     backward rebuilds ``y`` from the norm's input and rstd instead of saving it. Returns how many.
 
     Under autocast (fp32 ``y`` and weights, a bf16 matmul) the casts to the matmul's dtype are the graph's, one

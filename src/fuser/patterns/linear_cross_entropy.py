@@ -18,7 +18,7 @@ A model returns its logits with the loss. In training (gradients wanted), with `
 the graph returns ``None`` in their place (``outputs.logits is None``): Dynamo, AOT autograd and Inductor all
 accept a ``None`` graph output, so no placeholder tensor is allocated; but not in the pieces Dynamo's DDPOptimizer
 splits a DDP model's graph into (a model with several gradient buckets), where the piece returns a 0-element tensor
-instead (``fuser/dynamo_backend.py``). With ``keep_logits=True``, or when no
+instead (``src/fuser/dynamo_backend.py``). With ``keep_logits=True``, or when no
 gradient is wanted (evaluation), returned logits decline the match and the graph computes them and the loss as
 written; so do logits returned from a nested graph (activation checkpointing), whose outputs are its
 higher-order op's. Declined, saying so: ``nll_loss(log_softmax(logits))`` (ProphetNet), cross_entropy in two steps.
@@ -77,7 +77,7 @@ Node = torch.fx.Node
 @dataclass(frozen=True)
 class LinearCrossEntropyExperimental:
     """How the fused lm_head + cross-entropy forms the lm_head's weight gradient
-    (``fuser/kernels/linear_cross_entropy.py``): the ways measured against each other to choose the default."""
+    (``src/fuser/kernels/linear_cross_entropy.py``): the ways measured against each other to choose the default."""
 
     dw_kernel: DwKernel = "cublas"
     """What adds each chunk's share to the weight gradient's running sum: ``"cublas"`` (``addmm_``) or ``"triton"``

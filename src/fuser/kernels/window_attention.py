@@ -7,7 +7,7 @@ That is transformers' ``sliding_window_causal`` mask (Gemma-3, Mistral, Cohere-2
 query i sees itself and the ``window − 1`` keys before it. A traced model spells it as a boolean ``[B, 1, T, T]``
 mask passed to ``scaled_dot_product_attention`` on k and v expanded to every query head; PyTorch then runs a masked
 kernel that computes every score block, the ones outside the window too. The ``causal_attention`` pattern proves a
-mask is exactly this window (``fuser/patterns/causal_attention.py``) and calls :func:`window_sdpa` instead.
+mask is exactly this window (``src/fuser/patterns/causal_attention.py``) and calls :func:`window_sdpa` instead.
 
 How: q ``[B, Hq, T, D]``, k and v ``[B, Hkv, T, D]`` (the unexpanded heads) are laid out as FlashAttention's
 variable-length ``[B·T, H, D]`` rows (every sequence has length T; a view for Hugging Face's ``[B, T, H, D]``

@@ -2,7 +2,7 @@
 
 peft keeps adapters in fp32 and writes ``result = result + lora_B(lora_A(dropout(x))) * scaling`` followed by
 ``result.to(torch_result_dtype)``; its bitsandbytes layers (QLoRA) cast the scaled term first and add it in the
-base dtype (variant "peft bitsandbytes", computed in that order). The op (``fuser/kernels/lora_sum.py``) computes
+base dtype (variant "peft bitsandbytes", computed in that order). The op (``src/fuser/kernels/lora_sum.py``) computes
 that sum and its gradients without the fp32 ``[tokens, out]`` tensors Inductor writes around ``lora_B``. It runs
 before the other patterns: the gated-MLP patterns would otherwise absorb the gate and up sums, and they then take
 the op's half-precision output as their input instead. On by default since its first GPU measurement

@@ -83,7 +83,7 @@ class CausalAttentionConfig:
 
     sliding_window: bool = True
     """A mask proved to be a causal sliding window (Gemma-3, Mistral, Cohere-2) runs FlashAttention's window kernels
-    (``fuser/kernels/window_attention.py``, fp16/bf16 on a GPU), which skip the blocks outside it."""
+    (``src/fuser/kernels/window_attention.py``, fp16/bf16 on a GPU), which skip the blocks outside it."""
 
     block_sparse_masks: bool = True
     """A bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``) runs on

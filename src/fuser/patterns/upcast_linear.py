@@ -3,7 +3,7 @@
 peft writes every LoRA adapter of a half-precision model this way (adapters kept in fp32, ``lora_A(x.float())``);
 so do fp32 routers and heads. Inductor saves the fp32 copy for the weight gradient; the fused op saves ``x``
 (half the bytes) and casts it again in the backward. The values are the same: the same cast and the same fp32
-matmul (``fuser/kernels/upcast_linear.py``).
+matmul (``src/fuser/kernels/upcast_linear.py``).
 
 After the rewrite (``after_apply``, :mod:`fuser.refinements.upcast_linears`), an upcast linear whose input is a
 gated MLP's fused product (peft's LoRA A of the down projection: ``lora_A(act(gate) * up)``) becomes
@@ -63,7 +63,7 @@ class UpcastLinearExperimental:
 
     triton: bool = True
     """On a GPU, weights of at most 64 rows (LoRA ranks) take fuser's Triton kernels
-    (``fuser/kernels/upcast_linear.py``; lora_sum's op runs the same kernels); ``False`` keeps cuBLAS's fp32
+    (``src/fuser/kernels/upcast_linear.py``; lora_sum's op runs the same kernels); ``False`` keeps cuBLAS's fp32
     matmuls, which are much slower for such thin weights."""
 
     group_shared_inputs: bool = True

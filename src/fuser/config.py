@@ -33,14 +33,14 @@ class ExperimentalConfig(SectionedOptions):
     direct_calls: bool = True
     """Inductor's compiled graphs call the fused ops through their ``direct`` overloads: the same functions, schema
     and fake, without the custom-op wrapper and autograd kernel, which graphs past AOT autograd never use. It saves
-    host time on every call (``fuser/inductor/direct_calls.py``)."""
+    host time on every call (``src/fuser/inductor/direct_calls.py``)."""
 
     embedding_grads: bool = True
     """An embedding's weight gradient, and a tied lm_head's gradient added to it, are written by one op
     (``fuser::embedding_grad``, put in by a post-grad pass) in one pass over ``[vocab, hidden]``: the batch's ids
     sorted, each row summing its tokens' gradients in fp32 in token order, so the result is the same every run.
     Inductor instead zero-fills an fp32 buffer, scatters into it with atomics, and reads it back to add and cast
-    (``fuser/inductor/embedding_grads.py``)."""
+    (``src/fuser/inductor/embedding_grads.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("direct_calls", "embedding_grads"):
@@ -106,7 +106,7 @@ class FuserConfig(SectionedOptions):
     ``logging.Logger`` methods that print a message at most once (transformers' ``warning_once``, ``info_once``)
     instead of breaking the graph there: a GPT-2-style model's ``loss_function`` logs one between its lm_head and its
     loss, which then could not fuse across the break. Their message is then not printed by compiled code. Scoped to
-    those calls (``fuser/tracing.py``), never set globally; ``torch.compile(m, backend="fuser")`` gives fuser no hook
+    those calls (``fuser.tracing``), never set globally; ``torch.compile(m, backend="fuser")`` gives fuser no hook
     around its calls, so there the break stays."""
 
     checkpoint_side_effects: bool = True
@@ -135,7 +135,7 @@ class FuserConfig(SectionedOptions):
     no op body runs per call. Same kernels, same arguments. It helps a step whose host cannot launch kernels as fast
     as the GPU runs them, leaves a GPU-bound one as it was, and costs compile time. A call that might not compute the
     same inlined (it writes an input, its shapes are dynamic, its tensors are not on a GPU) stays a call;
-    ``fuser.report(model).not_inlined`` says why (``fuser/inductor/inline_ops.py``). ``False`` keeps every call, e.g.
+    ``fuser.report(model).not_inlined`` says why (``fuser.inductor.inline_ops``). ``False`` keeps every call, e.g.
     to compare or to debug a kernel from Python."""
 
     cuda_graphs: bool = False
@@ -149,7 +149,7 @@ class FuserConfig(SectionedOptions):
     (``TORCH_LOGS=cudagraphs`` shows every graph declined). Needs ``inner_compiler="inductor"``. Gradient
     accumulation works: where ``.grad`` was ``None``, autograd keeps the backward replay's output buffer itself as
     ``.grad``, so fuser copies such a ``.grad`` out of the graphs' memory before the next call replays over it
-    (``fuser/inductor/graph_pool_grads.py``); a step without accumulation copies nothing."""
+    (``src/fuser/inductor/graph_pool_grads.py``); a step without accumulation copies nothing."""
 
     zero3_leaf_layers: bool = True
     """Where DeepSpeed is installed, ``fuser.optimize_`` marks the model's decoder layers (the
@@ -157,7 +157,7 @@ class FuserConfig(SectionedOptions):
     marked either way already: ZeRO-3 then gathers a layer's parameters together, with one hook, and the layer
     reaches fuser as one graph (otherwise each submodule's hook breaks the graph and no block in the layer fuses).
     Without ZeRO-3 nothing reads the flag. ``fuser.optimize`` leaves the user's model unmarked and warns at its first
-    call under ZeRO-3 (``fuser/zero3.py``)."""
+    call under ZeRO-3 (``src/fuser/zero3.py``)."""
 
     zero3_lm_head: bool = True
     """Under DeepSpeed ZeRO-3, the lm_head's weight is gathered by the hook of the module that calls it (the causal
@@ -165,7 +165,7 @@ class FuserConfig(SectionedOptions):
     of a model from ``optimize_``/``optimize``: those hooks end the graph before and after the lm_head, so the loss's
     logits would be an input of its graph and the loss would not fuse (``linear_cross_entropy``), its whole logits
     kept. The cost: one ``[vocab, hidden]`` weight stays gathered for the step's forward and backward (DeepSpeed
-    keeps such an external parameter until the step ends) (``fuser/zero3.py``)."""
+    keeps such an external parameter until the step ends) (``src/fuser/zero3.py``)."""
 
     padding_free: bool = False
     """A call with padding in its ``attention_mask`` runs as one packed row of its real tokens: ``input_ids``
@@ -184,7 +184,7 @@ class FuserConfig(SectionedOptions):
     call runs padded and fuser says why once (logger ``"fuser"``, ``fuser.report(model).padding_free``): hidden
     states, attentions, router logits or a cache asked for, ``inputs_embeds`` or other inputs it cannot gather (pixel
     inputs, ``token_type_ids``), a mask with holes, labels that make the padded loss read a pad position, another
-    attention implementation, a model whose mask ignores ``position_ids`` (``fuser/padding_free.py`` lists every
+    attention implementation, a model whose mask ignores ``position_ids`` (``src/fuser/padding_free.py`` lists every
     case). Off by default until measured on a GPU."""
 
     experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
@@ -288,7 +288,7 @@ def options_reference(markdown: bool = False) -> str:
         "# Options",
         "",
         "<!-- Generated by `python scripts/options_doc.py` from the docstring under each field of",
-        "     fuser/config.py's FuserConfig and of each registered pattern's options dataclass: edit those, then run",
+        "     src/fuser/config.py's FuserConfig and each registered pattern's options dataclass: edit those, then run",
         "     it. tests/test_options_doc.py fails when this file is out of date. -->",
         "",
         "Every behaviour switch of fuser is a field of `fuser.FuserConfig`; there are no environment variables or",

@@ -473,7 +473,7 @@ def optimize(model: torch.nn.Module, config: FuserConfig | dict[str, Any] | None
 
     With ``FuserConfig.ignore_logging`` (default), each call of the result runs with Dynamo skipping the logging
     methods that print at most once (``logger.warning_once``) while it traces, so they do not break the graph
-    (``fuser/tracing.py``); their message is then not printed by compiled code. ``FuserConfig.checkpoint_side_effects``
+    (``fuser.tracing``); their message is then not printed by compiled code. ``FuserConfig.checkpoint_side_effects``
     (default) likewise lets Dynamo trace a gradient-checkpointed layer that sets and restores Python state. Both are
     scoped to these calls: Dynamo's global configuration is as it was outside them. Where Dynamo gives up on the
     model's code in a call (its recompile limit, a compile error it suppressed) and runs it eagerly, fuser warns

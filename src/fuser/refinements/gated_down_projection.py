@@ -1,5 +1,5 @@
 """Refinement of the gated MLPs' ops: a trainable down projection fed a gated op's product becomes
-``fuser::linear_gated`` (``fuser/kernels/linear_gated.py``), whose weight gradient recomputes the product from the
+``fuser::linear_gated`` (``src/fuser/kernels/linear_gated.py``), whose weight gradient recomputes the product from the
 gate and up the gated op saves anyway, so the product ([tokens, intermediate], the widest activation of a layer) is
 not saved for it (``gated_mlp.recompute_for_down_weight``). Each gated pattern (swiglu, geglu, reglu) refines its
 own activations' ops; ``upcast_linear``'s refinement swaps in the same recompute for peft's LoRA A of the down
@@ -75,7 +75,7 @@ def swap_in_gated_linear(
 def recompute_for_down_weight(graph: torch.fx.Graph, config: FuserConfig, activations: frozenset[str]) -> int:
     """``linear(x, W, b)`` with ``x = gated_activation(gate, up, None, None, ..., activation)[0]`` (``activation``
     one of ``activations``: each pattern refines its own ops) and ``W`` trainable → ``linear_gated(x, gate, up, W,
-    b, ...)`` (fuser/kernels/linear_gated.py), unless ``config.gated_mlp.recompute_for_down_weight`` is off;
+    b, ...)`` (src/fuser/kernels/linear_gated.py), unless ``config.gated_mlp.recompute_for_down_weight`` is off;
     returns how many. Not for a frozen ``W`` (LoRA's base: nothing saves ``x`` for it), nor when the gated op
     absorbed LoRA sums (it then saves the sums), nor under autocast (``x`` and ``W`` of different dtypes)."""
     if not config.gated_mlp.recompute_for_down_weight:

@@ -103,7 +103,7 @@ def add_residuals_into_norms(graph: torch.fx.Graph, config: FuserConfig) -> int:
     one that reads it: its other readers (the residual stream) read ``h``, the same sum rounded once as the add
     rounds it. The op normalises the sum before that rounding, as Inductor computes an add fused with a norm, and
     its backward adds ``h``'s own gradient to the norm's input gradient in fp32 with one rounding
-    (``fuser/kernels/rms_norm.py``), so that a decoder layer's residual add costs no kernel of its own either way.
+    (``src/fuser/kernels/rms_norm.py``), so that a decoder layer's residual add costs no kernel of its own either way.
     Covers the norms of ``rms_norm`` and ``rms_norm_linear`` alike (``linear_normed``'s rebuild then reads ``h``); a
     norm given an fp32 ``x_wide``, or whose add sums a LoRA sum (lora_sum's refinements take those), is left as it
     is. Returns how many norms; a declined one is logged at debug level with the reason."""

@@ -5,7 +5,7 @@ Supported: torch >= 2.11.
 Private APIs used elsewhere, and why (``PRIVATE_USES_ELSEWHERE`` below; ``tests/test_private_apis.py`` fails on
 any other ``torch._*`` use outside this file):
 
-- ``fuser/kernels/linear_cross_entropy.py``, ``torch._foreach_mul_``: an ATen op of the kernel's eager backward
+- ``src/fuser/kernels/linear_cross_entropy.py``, ``torch._foreach_mul_``: an ATen op of the kernel's eager backward
   (the gradients scaled in place in one vectorised pass), not an internal of PyTorch; it has no public spelling,
   and a wrapper here would move part of the op's maths away from it.
 """
@@ -28,7 +28,7 @@ import torch.fx
 # (file, API, why it stays there): the private torch uses outside this file, which the module docstring lists
 PRIVATE_USES_ELSEWHERE: tuple[tuple[str, str, str], ...] = (
     (
-        "fuser/kernels/linear_cross_entropy.py",
+        "src/fuser/kernels/linear_cross_entropy.py",
         "torch._foreach_mul_",
         "an ATen op of the kernel's eager backward, with no public spelling: part of the op's maths",
     ),

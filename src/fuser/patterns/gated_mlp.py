@@ -255,7 +255,7 @@ def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
         elif user.op == "call_function" and any(t in name for t in _PROJECTION_TARGETS):
             continue
         elif (c := canonical(user)) is not None and c.op == "linear" and c.args[0] is node:
-            continue  # a custom autograd.Function computing a linear (fuser/engine/function_linear.py)
+            continue  # a custom autograd.Function computing a linear (src/fuser/engine/function_linear.py)
         elif user.op == "call_module":
             continue
         else:
