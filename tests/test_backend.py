@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -353,3 +354,33 @@ def test_a_compile_error_dynamo_suppressed_is_said_with_the_error(monkeypatch):
         torch.testing.assert_close(fuser.optimize(model, {"inner_compiler": "eager"})(x), model(x))
     said = [str(w.message) for w in caught if "Dynamo runs it eagerly" in str(w.message)]
     assert len(said) == 1 and "inner compiler broke" in said[0] and "suppress_errors" in said[0], said
+
+
+def _masked_scatter_then_norm(x, weight, mask, values):
+    h = x * 2
+    h[mask] = values  # nonzero of the mask in the backward: an output shape fake tensors cannot know
+    hf = h.float()
+    return (weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)).sin().sum()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_op_fake_tensors_cannot_trace_is_dynamos_graph_break_not_a_fuser_failure(strict):
+    """A captured graph that AOT autograd cannot trace with fake tensors (a boolean-mask scatter, whose backward
+    needs ``nonzero``) fails with any backend; Dynamo then breaks the graph there. fuser lets it: no FuserError under
+    strict, no "rewritten graph failed" warning, the graph's fused blocks not counted, the gradients eager's.
+    (Seen in kosmos-2 and Qwen3-VL, which scatter image features into the text embeddings by a mask.)"""
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    mask = torch.rand(2, 5) > 0.5
+    values = torch.randn(int(mask.sum()), 16, requires_grad=True)
+    want = torch.autograd.grad(_masked_scatter_then_norm(x, weight, mask, values), (x, weight, values))
+    config = fuser.FuserConfig(strict=strict, inner_compiler="aot_eager")
+    backend = fuser.backend(config)
+    compiled = torch.compile(_masked_scatter_then_norm, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.autograd.grad(compiled(x, weight, mask, values), (x, weight, values))
+    assert not [w for w in caught if "fuser" in str(w.message)], [str(w.message) for w in caught]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert backend.results == [] and backend.counts == {}  # Dynamo ran the frame without that graph

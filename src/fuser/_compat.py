@@ -198,6 +198,15 @@ def dynamo_restart_analysis() -> type[BaseException]:
     return RestartAnalysis
 
 
+def dynamo_fallback_exceptions() -> tuple[type[BaseException], ...]:
+    """The exceptions a backend may raise for Dynamo to break the graph at the op instead of failing: fake tensors
+    could not trace an op of the captured graph (an output shape that depends on data, as ``nonzero`` of a boolean
+    mask has, a ``.item()``, an operator without a fake kernel). Dynamo catches exactly these from any backend."""
+    from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+
+    return tuple(exceptions_allowed_to_be_fallback)
+
+
 def statically_equal(a: Any, b: Any) -> bool:
     """``a == b`` for ints or SymInts, decided without adding a guard (unknown counts as unequal)."""
     if isinstance(a, int) and isinstance(b, int):

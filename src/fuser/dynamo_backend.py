@@ -271,6 +271,24 @@ class FuserBackend:
             if result is not None and result in self.results:
                 self.results.remove(result)
             raise
+        except _compat.dynamo_fallback_exceptions() as error:
+            # an op fake tensors cannot trace (nonzero of a boolean mask, .item()): Dynamo breaks the graph there and
+            # sends the pieces, as it does for any backend. The captured graph failing the same way makes it Dynamo's
+            # to handle, not the rewrite's; the graph compiled in pieces is not this one, so its result goes.
+            if result is not None and result in self.results:
+                self.results.remove(result)
+            try:
+                compiled = self.compile_inner(gm, example_inputs)
+            except _compat.dynamo_fallback_exceptions():
+                raise error from None
+            if self.config.strict:
+                raise FuserError(f"fuser: compiling the rewritten graph failed: {error!r}") from error
+            warnings.warn(
+                f"fuser: compiling the rewritten graph failed ({error!r}); compiling the unrewritten graph instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return compiled
         except Exception as error:
             if self.config.strict:
                 raise FuserError(f"fuser: compiling the rewritten graph failed: {error!r}") from error
