@@ -208,7 +208,7 @@ def one_batch_differs(q, k, v):  # causal for batch 0, a window for batch 1
     "fn, reason",
     [
         (window_with_a_hole, "neither the plain causal mask nor a causal sliding window"),
-        (causal_written_in_place, "modified in place"),
+        (causal_written_in_place, "modified in place by the code `mask[-1, 0] = False`"),
         (band, "neither the plain causal mask nor a causal sliding window"),
         (finite_fill, "values other than 0 and -inf"),
         (random_mask, "random op"),

@@ -63,7 +63,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fuser._compat import statically_equal, statically_same_shape, sympy_expr
-from fuser.engine.canonical import tensor_meta
+from fuser.engine.canonical import code_at, tensor_meta
 from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
 from fuser.kernels.window_attention import window_mask, window_sdpa
 from fuser.options import check_fields
@@ -152,7 +152,7 @@ def _evaluate(mask: Node) -> torch.Tensor:
         if n.op == "get_attr":
             raise Decline(f"the mask reads the module attribute `{n.target}`")
         if n.op not in ("call_function", "call_method"):
-            raise Decline(f"the mask is computed by `{n.format_node()}`, which cannot be evaluated at compile time")
+            raise Decline(f"the mask is computed by {code_at(n)}, which cannot be evaluated at compile time")
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         if any(word in name.lower() for word in _RANDOM):
             raise Decline(f"the mask depends on a random op (`{name}`)")

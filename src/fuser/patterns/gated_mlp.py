@@ -40,7 +40,7 @@ import torch
 
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
-from fuser.engine.canonical import canonical, tensor_meta, value_readers
+from fuser.engine.canonical import canonical, code_at, tensor_meta, value_readers
 from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.inductor.gated_down_grads import PASS as DOWN_GRADS_PASS
 from fuser.inductor.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
@@ -293,7 +293,7 @@ def _why_autograd_function_is_no_projection(apply: torch.fx.Node, operand: torch
         bad = _use_other_than_matmul(placeholder)
         if bad is not None:
             return (
-                f"a custom autograd.Function whose forward `{body.target}` uses it in `{bad.format_node()}`, "
+                f"a custom autograd.Function whose forward `{body.target}` uses it in {code_at(bad)}, "
                 "not as the input of a matrix product"
             )
     return None

@@ -35,7 +35,7 @@ import torch.fx
 from sympy.logic.inference import satisfiable
 
 from fuser._compat import sympy_expr
-from fuser.engine.canonical import meta_value, tensor_meta
+from fuser.engine.canonical import code_at, meta_value, tensor_meta
 from fuser.engine.match import OUTER_VALUE
 from fuser.patterns.base import Decline
 
@@ -335,7 +335,7 @@ class _Reader:
                 raise Decline(f"{INPUT_DEPENDENT} `{node.name}` (a padding mask?): values unknown")
             return self(outer)
         if node.op not in ("call_function", "call_method"):
-            raise Decline(f"the mask is computed by `{node.format_node()}`, which is not read symbolically")
+            raise Decline(f"the mask is computed by {code_at(node)}, which is not read symbolically")
         if tensor_meta(node) is None:
             raise Decline(f"`{node.name}` computes a value the mask uses that is not a tensor or a size")
         target = node.target
@@ -445,7 +445,7 @@ def unmutated_ancestors(node: Node) -> list[Node]:
     for ancestor in seen:
         for user in ancestor.users:
             if user not in seen and mutates(user):
-                raise Decline(f"the mask is modified in place by `{user.format_node()}`")
+                raise Decline(f"the mask is modified in place by {code_at(user)}")
     return [n for n in node.graph.nodes if n in seen]
 
 
