@@ -1,0 +1,107 @@
+"""The harness every model test file shares: one training step, eagerly or through fuser; what fuser fused,
+refined and rewrote in it; its loss and every gradient against eager's or a higher-precision run's.
+
+The tiny models and batches are ``tiny.py``'s (with the step checks other test directories import from there:
+``assert_training_step_equals_eager``, ``assert_step_as_close_to_fp32_as_eager``, ``assert_same_step``,
+``lora_step``); the Inductor steps several files compare with, each computed once per process, are
+``inductor_steps.py``'s. The pytest fixtures around these (``rewritten``, ``inductor_caches_off``) are in
+``conftest.py`` beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+import fuser
+from tests.models.tiny import batch, grads, rel
+
+Step = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (loss, every gradient by parameter name)
+
+# a hidden-1024 Llama layer (2 of them) for the GPU tests at a real width: the Triton kernels' blocks tile it
+WIDE_LLAMA = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "head_dim": 128, "attn_implementation": "sdpa"}  # fmt: skip
+
+
+def train_step(model: torch.nn.Module, config=None, data: dict | None = None, autocast: bool = False, run=None) -> Step:
+    """(loss, gradients) of one forward+backward of ``model`` on ``data`` (default ``batch()``): eagerly, through
+    ``fuser.optimize(model, config)``, or through ``run`` (``model`` compiled already); under CPU bf16 autocast with
+    ``autocast``. The gradients are ``model``'s parameters'."""
+    if run is None:
+        run = model if config is None else fuser.optimize(model, config)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = run(**(batch() if data is None else data))
+    out.loss.backward()
+    return out.loss.detach(), grads(model)
+
+
+def post_grad_step(model: torch.nn.Module, config, data: dict | None = None, autocast: bool = False, device="cpu"):
+    """``train_step`` through fuser (Inductor: ``config``'s inner compiler), on ``device``, and what fuser's post-grad
+    passes rewrote in it ({pass: calls}, every pass the backend has run); Dynamo is reset after."""
+    backend = fuser.backend(config)
+    before = dict(backend.post_grad_counts)
+    data = {k: v.to(device) for k, v in (batch() if data is None else data).items()}
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out = fuser.optimize(model, config)(**data)
+    out.loss.backward()
+    counts = {k: v - before.get(k, 0) for k, v in backend.post_grad_counts.items()}
+    torch._dynamo.reset()
+    return (out.loss.detach(), grads(model)), counts
+
+
+def fused(config, pattern: str, since: int = 0) -> int:
+    """How many ``pattern`` ops the backend of ``config`` fused in its compiles from the ``since``-th on (equal
+    configs share one backend, and its results accumulate)."""
+    return sum(result.counts.get(pattern, 0) for result in fuser.backend(config).results[since:])
+
+
+def refined(config, since: int = 0) -> dict[str, int]:
+    """What the refinements (``after_apply``) refined in the backend's compiles from the ``since``-th on."""
+    total: dict[str, int] = {}
+    for result in fuser.backend(config).results[since:]:
+        for name, n in result.refined.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def calls(graphs, op) -> list[torch.fx.Node]:
+    """The calls of ``op`` in ``graphs`` (e.g. those the ``rewritten`` fixture recorded)."""
+    return [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+
+
+@contextlib.contextmanager
+def inductor_caches_off() -> Iterator[None]:
+    """Inductor's FX graph cache and AOT autograd's cache off: a graph from either skips fuser's post-grad passes,
+    and with them their counts. The kernels' own compile cache stays on (``force_disable_caches`` would recompile
+    every C++ kernel in a fresh directory: a minute or more per test)."""
+    import torch._functorch.config as functorch_config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def errors(step: Step, reference: Step) -> tuple[float, dict[str, float]]:
+    """The loss's and each gradient's relative distance from ``reference``'s; the same gradients on both sides."""
+    (loss, got), (loss_ref, want) = step, reference
+    assert got.keys() == want.keys() and got, (sorted(got), sorted(want))
+    return rel(loss, loss_ref), {name: rel(g, want[name]) for name, g in got.items()}
+
+
+def assert_equals_eager(step: Step, eager: Step, loss_tol: float, grad_tol: float) -> None:
+    """An fp32 step against eager's: the loss within ``loss_tol`` and every gradient within ``grad_tol`` relative."""
+    loss_err, grad_errs = errors(step, eager)
+    assert loss_err <= loss_tol, (step[0], eager[0])
+    for name, err in grad_errs.items():
+        assert err <= grad_tol, f"{name}: {err:.2e}"
+
+
+def assert_no_further_than_eager(step: Step, eager: Step, reference: Step, factor: float, floor: float) -> None:
+    """A half-precision step against eager's at the same precision, both against a higher-precision ``reference``:
+    the loss's and every gradient's relative error within ``factor`` times eager's plus ``floor``."""
+    loss_err, grad_errs = errors(step, reference)
+    eager_loss_err, eager_errs = errors(eager, reference)
+    assert loss_err <= factor * eager_loss_err + floor, (step[0], eager[0], reference[0])
+    for name, err in grad_errs.items():
+        assert err <= factor * eager_errs[name] + floor, f"{name}: fuser {err:.2e}, eager {eager_errs[name]:.2e}"
