@@ -16,13 +16,23 @@ from collections.abc import Iterator
 import torch
 
 import fuser
-from tests.models.tiny import batch, grads, rel
+from tests.models.tiny import batch, build, from_config, grads, rel
 
 Step = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (loss, every gradient by parameter name)
 
 # a hidden-1024 Llama layer (2 of them) for the GPU tests at a real width: the Triton kernels' blocks tile it
 WIDE_LLAMA = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
               "head_dim": 128, "attn_implementation": "sdpa"}  # fmt: skip
+
+
+def build_arch(arch: str) -> torch.nn.Module:
+    """A tiny fp32 causal LM: ``tiny.build(arch)`` (Llama, Mistral, Qwen3, Gemma, OLMo-2: random norm weights), or
+    Phi-3 (packed qkv and gate/up projections) or Gemma-3 (1 + w norms around attention and MLP, a window of 8)."""
+    if arch == "phi3":
+        return from_config("Phi3Config", {"attn_implementation": "sdpa", "pad_token_id": 0})
+    if arch == "gemma3":
+        return from_config("Gemma3TextConfig", {"attn_implementation": "sdpa", "sliding_window": 8})
+    return build(arch)
 
 
 def train_step(model: torch.nn.Module, config=None, data: dict | None = None, autocast: bool = False, run=None) -> Step:
@@ -105,3 +115,17 @@ def assert_no_further_than_eager(step: Step, eager: Step, reference: Step, facto
     assert loss_err <= factor * eager_loss_err + floor, (step[0], eager[0], reference[0])
     for name, err in grad_errs.items():
         assert err <= factor * eager_errs[name] + floor, f"{name}: fuser {err:.2e}, eager {eager_errs[name]:.2e}"
+
+
+def assert_as_close_to_fp32_as_eager(step: Step, eager: Step, fp32: Step) -> None:
+    """A half-precision (or autocast) step against eager's, both against the same model's fp32 step: the loss within
+    2x eager's distance plus 1e-3 of the loss; the gradients' relative errors summed over the model no larger than
+    eager's; each gradient within 2x eager's distance + 1e-3. One gradient's half-precision error is one draw of
+    rounding noise (``tiny.assert_step_as_close_to_fp32_as_eager`` says how far it was measured to go); a wrong
+    gradient is off by about its own size, far past either bar."""
+    (loss, got), (loss16, grads16), (loss32, grads32) = step, eager, fp32
+    assert abs(loss - loss32) <= 2 * abs(loss16 - loss32) + 1e-3 * abs(loss32), (loss, loss16, loss32)
+    errors = {name: (rel(g, grads32[name]), rel(grads16[name], grads32[name])) for name, g in got.items()}
+    assert errors and sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), errors
+    for name, (err, err_eager) in errors.items():
+        assert err <= 2 * err_eager + 1e-3, f"{name}: fuser {err:.2e}, eager {err_eager:.2e} vs fp32"
