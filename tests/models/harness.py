@@ -47,13 +47,16 @@ def train_step(model: torch.nn.Module, config=None, data: dict | None = None, au
     return out.loss.detach(), grads(model)
 
 
-def post_grad_step(model: torch.nn.Module, config, data: dict | None = None, autocast: bool = False, device="cpu"):
-    """``train_step`` through fuser (Inductor: ``config``'s inner compiler), on ``device``, and what fuser's post-grad
-    passes rewrote in it ({pass: calls}, every pass the backend has run); Dynamo is reset after."""
+def post_grad_step(model: torch.nn.Module, config, data: dict | None = None, autocast: bool = False, device=None):
+    """``train_step`` through fuser (Inductor: ``config``'s inner compiler), the batch moved to ``device`` if given,
+    and what fuser's post-grad passes rewrote in it ({pass: calls}, every pass the backend has run); Dynamo is reset
+    after."""
     backend = fuser.backend(config)
     before = dict(backend.post_grad_counts)
-    data = {k: v.to(device) for k, v in (batch() if data is None else data).items()}
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+    data = batch() if data is None else data
+    if device is not None:
+        data = {k: v.to(device) for k, v in data.items()}
+    with torch.autocast(device or "cpu", dtype=torch.bfloat16, enabled=autocast):
         out = fuser.optimize(model, config)(**data)
     out.loss.backward()
     counts = {k: v - before.get(k, 0) for k, v in backend.post_grad_counts.items()}

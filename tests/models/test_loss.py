@@ -1,5 +1,9 @@
-"""Tier 3: lm_head + cross-entropy in tiny Hugging Face models — counts, training steps vs eager (tied embeddings,
-softcapping, num_items_in_batch, LoRA), what ``outputs.logits`` holds, and an all-ignored batch."""
+"""Tier 3: the two ends of a tiny causal LM, which share a weight when tied: the lm_head + cross-entropy
+(``linear_cross_entropy``: counts, fp32 training steps equal to eager's with tied embeddings, softcapping,
+``num_items_in_batch`` and LoRA, what ``outputs.logits`` holds, an all-ignored batch) and the embedding's weight
+gradient (the post-grad pass ``embedding_grads``: one ``fuser::embedding_grad`` per embedding, tied lm_head gradient
+added, the step bit for bit the step without it).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,26 @@ import pytest
 import torch
 
 import fuser
+from tests.models.harness import post_grad_step
 from tests.models.tiny import (
     LCE_ARCHS,
     VOCAB,
+    assert_same_step,
     assert_training_step_equals_eager,
+    batch,
     build_lce_arch,
+    from_config,
     grads,
     lm_batch,
     rel,
     with_lora,
 )
+
+# ---------------------------------------------------------------------------------------------------------
+# lm_head + cross-entropy: counts, training steps vs eager (tied embeddings, softcapping, num_items_in_batch, LoRA),
+# what outputs.logits holds, and an all-ignored batch
+# ---------------------------------------------------------------------------------------------------------
+
 
 AOT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 INDUCTOR = fuser.FuserConfig(strict=True, inner_compiler="inductor")
@@ -112,3 +126,93 @@ def test_all_ignored_batch_behaves_like_eager():
     assert g.keys() == g_ref.keys() and g
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FuserConfig.experimental.embedding_grads (the post-grad pass embedding_grads, on by default): the embedding's weight
+# gradient, with a tied lm_head's gradient added, is one op (fuser::embedding_grad). Through Inductor on CPU (caches
+# off, so the post-grad passes run): one rewrite per embedding with a gradient, and the training step equal bit for
+# bit to the step without it: fp32, tied and untied, a padding row, GPT-2's two embeddings; bf16 tied (Inductor's
+# fused kernel rounds once, as the op does). Checked the same way by hand on Gemma, Qwen2, OPT, Phi, GPT-NeoX and
+# Bloom (2026-12-03): all equal.
+# ---------------------------------------------------------------------------------------------------------
+
+
+EMBEDDING_GRADS_OFF = fuser.FuserConfig(strict=True, experimental={"embedding_grads": False})
+PAD = 5
+
+
+def embedding_step(model, config, data=None):
+    """(loss, gradients) of one training step through fuser, and how many embedding gradients the op wrote."""
+    step, counts = post_grad_step(model, config, data)
+    return step, counts.get("embedding_grads", 0)
+
+
+def llama(tied: bool, dtype=torch.float32, pad: int | None = None):
+    extra = {"attn_implementation": "sdpa", "tie_word_embeddings": tied, "pad_token_id": pad}
+    return from_config("LlamaConfig", extra).to(dtype).train()
+
+
+@pytest.mark.usefixtures("inductor_caches_off")
+@pytest.mark.parametrize(("tied", "pad"), [(True, None), (False, PAD)])
+def test_fp32_step_is_unchanged(tied, pad):
+    """Tied, and untied with a padding_idx, whose row then gets no gradient although the batch holds it."""
+    model = llama(tied, pad=pad)
+    data = batch()
+    data["input_ids"][:, :3] = PAD  # padding tokens in the batch (counted in the loss: labels are the ids)
+    on, taken = embedding_step(copy.deepcopy(model), INDUCTOR, data)
+    off, taken_off = embedding_step(copy.deepcopy(model), EMBEDDING_GRADS_OFF, data)
+    assert taken == 1 and taken_off == 0
+    assert_same_step(on, off)
+    if pad is not None:
+        grad = on[1]["model.embed_tokens.weight"]
+        assert not grad[PAD].any() and grad[data["input_ids"][0, -1]].any()
+
+
+@pytest.mark.usefixtures("inductor_caches_off")
+def test_gpt2_token_and_position_embeddings_both_take_the_op():
+    """GPT-2: a tied token embedding and a learned position embedding (ids: the positions), two rewrites."""
+    extra = {"n_embd": 64, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    model = from_config("GPT2Config", extra).train()
+    on, taken = embedding_step(copy.deepcopy(model), INDUCTOR)
+    off, _ = embedding_step(copy.deepcopy(model), EMBEDDING_GRADS_OFF)
+    assert taken == 2
+    assert_same_step(on, off)
+
+
+@pytest.mark.usefixtures("inductor_caches_off")
+def test_bf16_tied_step_is_unchanged_and_as_close_to_fp32():
+    model = llama(True, torch.bfloat16)
+    on, taken = embedding_step(copy.deepcopy(model), INDUCTOR)
+    off, _ = embedding_step(copy.deepcopy(model), EMBEDDING_GRADS_OFF)
+    (_, grads32), _ = embedding_step(copy.deepcopy(model).float(), EMBEDDING_GRADS_OFF)
+    assert taken == 1
+    assert_same_step(on, off)
+    name = "model.embed_tokens.weight"
+    assert rel(on[1][name], grads32[name]) < 2**-7
+
+
+@pytest.mark.usefixtures("inductor_caches_off")
+@pytest.mark.gpu
+def test_gpu_bf16_tied_step_as_close_to_fp32_as_without_it():
+    """On the GPU the scatter's atomics sum in another order than the op: each gradient as close to an fp32 copy's
+    step as without the op, within one bf16 rounding."""
+    model = from_config(
+        "LlamaConfig",
+        {
+            "attn_implementation": "sdpa",
+            "tie_word_embeddings": True,
+            "vocab_size": 4096,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "head_dim": 64,
+        },  # fmt: skip
+    ).cuda()
+    ids = torch.randint(0, 4096, (2, 256), device="cuda")
+    data = {"input_ids": ids, "labels": ids}
+    (_, grads32), _ = embedding_step(copy.deepcopy(model).train(), EMBEDDING_GRADS_OFF, data)
+    on, taken = embedding_step(copy.deepcopy(model).bfloat16().train(), INDUCTOR, data)
+    off, _ = embedding_step(copy.deepcopy(model).bfloat16().train(), EMBEDDING_GRADS_OFF, data)
+    assert taken == 1
+    for name, g in on[1].items():
+        assert rel(g, grads32[name]) <= rel(off[1][name], grads32[name]) + 2**-8, name
