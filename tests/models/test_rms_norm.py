@@ -948,8 +948,7 @@ def test_add_rms_norm_kernels_through_the_interpreter(monkeypatch, triton_on_cpu
 # ---------------------------------------------------------------------------------------------------------
 
 
-# one worker runs the module under pytest-xdist (``--dist loadgroup``), beside the other modules that read the steps
-# of tests/models/inductor_steps.py (each computed once there)
+# the tests that read inductor_steps.py's steps (each computed once there) are marked with its pytest-xdist group
 
 SUMS_ON = fuser.FuserConfig.from_options({"strict": True, "experimental.rms_norm.gradient_sums": True})
 SUMS_OFF = fuser.FuserConfig.from_options({"strict": True, "experimental.rms_norm.gradient_sums": False})
