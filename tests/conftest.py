@@ -18,7 +18,7 @@ try:
     _HAS_CUDA = torch.cuda.is_available()
     if not _HAS_CUDA:
         # toy sizes gain nothing from threads, and with `-n 2` on a 2-core machine a second OpenMP thread per
-        # worker only waits for a core (tests/models/test_rms_norm_models.py's fp32 steps: 10-20 % faster)
+        # worker only waits for a core (tests/models/test_rms_norm.py's fp32 steps: 10-20 % faster)
         torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     _HAS_CUDA = False

@@ -165,7 +165,7 @@ def _accumulated_steps(model, run, data):
 def test_gpu_steps_replay_cuda_graphs_and_equal_eager(arch):
     """Four fp32 steps: the first runs the compiled graphs, the second records them, the last two replay. No graph
     is declined, Inductor's graph-tree manager holds recorded graphs, and every step's loss and the last gradients
-    match eager's (the bar of the uncaptured fp32 step test, ``tests/models/test_gpu_models.py``)."""
+    match eager's (the bar of the uncaptured fp32 step test, ``tests/models/test_gpu.py``)."""
     from torch._inductor import cudagraph_trees
 
     model = build(arch).cuda()

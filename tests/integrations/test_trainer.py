@@ -33,7 +33,7 @@ LAYERS = 2
 # reference formulas) and keeps the suite fast; one test runs the README's line exactly (Inductor)
 OPTIONS = {"inner_compiler": "aot_eager", "strict": True}
 FP32_RTOL = 1e-5
-BF16_FACTOR, BF16_FLOOR = 1.5, 4e-3  # tests/models/test_rms_norm_models.py: bf16 against the higher precision
+BF16_FACTOR, BF16_FLOOR = 1.5, 4e-3  # tests/models/test_rms_norm.py: bf16 against the higher precision
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,13 @@
 """Training steps of the tiny models through Inductor that several post-grad-pass test modules compare with, each
 computed once per pytest process instead of once per test that reads it.
 
-The default step (``FuserConfig(strict=True)``) of one model was compiled by up to four tests of
-test_gated_down_grads_models, test_norm_grad_sums_models, test_gated_inplace_models, test_gated_sums_models and
-test_direct_calls (through Inductor on CPU a checkpointed peft model's step takes 30-45 s). A step is a function of
-its config and of fixed seeds (``build``, ``lora_model``, ``batch``), so it is the same whichever test computes it
-first; it is computed as each of those tests did, from a clean Dynamo cache and fresh fuser backends, with
-Inductor's graph caches off (a cached graph skips the post-grad passes and their counts), and Inductor's generated
-code is kept. The modules that read it share one pytest-xdist group (``XDIST_GROUP``): one worker computes each
-step once.
+The default step (``FuserConfig(strict=True)``) of one model was compiled by up to five tests of test_gated_mlp,
+test_rms_norm and test_direct_calls (through Inductor on CPU a checkpointed peft model's step takes 30-45 s). A step
+is a function of its config and of fixed seeds (``build``, ``lora_model``, ``batch``), so it is the same whichever
+test computes it first; it is computed as each of those tests did, from a clean Dynamo cache and fresh fuser
+backends, with Inductor's graph caches off (a cached graph skips the post-grad passes and their counts), and
+Inductor's generated code is kept. The tests that read it share one pytest-xdist group (``XDIST_GROUP``): one worker
+computes each step once.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ MODELS = {
 class Step:
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]  # every gradient the step formed, by parameter name
+    counts: Mapping[str, int]  # the fused ops, by pattern, in the step's graphs (read-only)
     post_grad_counts: Mapping[str, int]  # what fuser's post-grad passes rewrote in the step's graphs (read-only)
     code: str  # Inductor's generated code, forward and backward
 
@@ -88,5 +88,6 @@ def inductor_step(model: str, config: fuser.FuserConfig = DEFAULT) -> Step:
             return out.loss.detach()
 
         loss, code = run_and_get_code(step)
-        counts = MappingProxyType(dict(fuser.backend(config).post_grad_counts))
-    return Step(loss, grads(built), counts, "\n".join(code))
+        backend = fuser.backend(config)
+        counts, post_grad = (MappingProxyType(dict(c)) for c in (backend.counts, backend.post_grad_counts))
+    return Step(loss, grads(built), counts, post_grad, "\n".join(code))

@@ -13,6 +13,7 @@ import copy
 import pytest
 
 import fuser
+from tests.models.harness import assert_as_close_to_fp32_as_eager
 from tests.models.tiny import batch, build, checkpointed, grads, lora_model, rel
 
 LENGTHS = (16, 24, 40)
@@ -98,12 +99,8 @@ def test_checkpointed_lora_fuses_every_block_at_every_length():
     for seq in LORA_LENGTHS:
         (loss, got), (loss16, grads16), (loss32, grads32) = (_step(m, seq) for m in (compiled, eager, fp32))
         compiles.append(len(fuser.backend(config).results))
-        assert abs(loss - loss32) <= 2 * abs(loss16 - loss32) + 1e-3 * abs(loss32), (seq, loss, loss16, loss32)
-        errors = {name: (rel(g, grads32[name]), rel(grads16[name], grads32[name])) for name, g in got.items()}
-        assert errors and all("lora_" in name for name in errors)
-        assert sum(e for e, _ in errors.values()) <= sum(e for _, e in errors.values()), (seq, errors)
-        for name, (err, err_eager) in errors.items():
-            assert err <= 2 * err_eager + 1e-3, (seq, name, err, err_eager)
+        assert got and all("lora_" in name for name in got), seq
+        assert_as_close_to_fp32_as_eager((loss, got), (loss16, grads16), (loss32, grads32))
     _per_compile(fuser.backend(config), compiles)
     fused = fuser.backend(config).counts
     for name in ("lora_sum", "upcast_linear", "rms_norm_linear", "causal_attention"):

@@ -1,4 +1,6 @@
-"""Tier 3 on the GPU: the Triton kernels inside a compiled tiny model (Inductor), against eager."""
+"""Tier 3 on a CUDA GPU: the Triton kernels inside a compiled tiny model (Inductor) against eager, fp32 and bf16, and
+Gemma-3's sliding windows through fuser's FlashAttention window op. (Each block's own GPU tests are in its file, marked
+``gpu`` as these are; without a GPU all are skipped.)"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import copy
 import pytest
 
 import fuser
+from tests.models.harness import assert_no_further_than_eager, train_step
 from tests.models.tiny import ARCHS, batch, build, expected_norms, fused_norms, grads, rel
 
 
@@ -32,18 +35,10 @@ def test_gpu_fp32_training_step_equals_eager(arch):
 def assert_bf16_step_as_close_as_eager(base, data, config):
     """One training step of ``base`` in bf16 through fuser: its loss and gradients must stay within 1.5x eager bf16's
     error against an fp64 model (+ half a bf16 eps)."""
-    reference64 = copy.deepcopy(base).double()
-    loss64 = reference64(**data).loss
-    loss64.backward()
-    eager, fused = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16()
-    eager_loss = eager(**data).loss
-    eager_loss.backward()
-    fused_loss = fuser.optimize(fused, config)(**data).loss
-    fused_loss.backward()
-    assert rel(fused_loss, loss64) <= 1.5 * rel(eager_loss, loss64) + 4e-3
-    g64, ge, gf = grads(reference64), grads(eager), grads(fused)
-    for name in g64:
-        assert rel(gf[name], g64[name]) <= 1.5 * rel(ge[name], g64[name]) + 4e-3, name
+    reference64 = train_step(copy.deepcopy(base).double(), data=data)
+    eager = train_step(copy.deepcopy(base).bfloat16(), data=data)
+    fused = train_step(copy.deepcopy(base).bfloat16(), config, data=data)
+    assert_no_further_than_eager(fused, eager, reference64, 1.5, 4e-3)
 
 
 @pytest.mark.gpu

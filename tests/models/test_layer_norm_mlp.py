@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fuser
-from tests.models.tiny import N_LAYERS, batch, from_config, grads, rel
+from tests.models.harness import train_step
+from tests.models.tiny import N_LAYERS, batch, from_config, rel
 
 STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 
@@ -54,14 +55,9 @@ def test_fp32_training_step_equals_eager(arch):
     by one number, which softmax cancels: its gradient is zero up to rounding in both runs, and is checked as that
     (below 1e-6 of the whole gradient's norm on both sides), not as a ratio of two rounding noises."""
     model = build(arch)
-    reference = copy.deepcopy(model)
-    data = batch()
-    out_ref = reference(**data)
-    out_ref.loss.backward()
-    out = fuser.optimize(model, STRICT)(**data)
-    out.loss.backward()
-    assert rel(out.loss, out_ref.loss) <= 1e-5
-    g, g_ref = grads(model), grads(reference)
+    loss_ref, g_ref = train_step(copy.deepcopy(model))
+    loss, g = train_step(model, STRICT)
+    assert rel(loss, loss_ref) <= 1e-5
     assert g.keys() == g_ref.keys() and g
     whole = torch.sqrt(sum(t.double().pow(2).sum() for t in g_ref.values()))
     for name in g_ref:

@@ -1,5 +1,6 @@
-"""Tier 3: the cast passes across families, under CPU bf16 autocast over fp32 weights (a trainer's ``bf16=True`` on an
-fp32 model), through Inductor with its caches off so that the post-grad passes run.
+"""Tier 3: CPU bf16 autocast over fp32 weights (a trainer's ``bf16=True`` on an fp32 model): the cast passes across
+families, through Inductor with its caches off so that the post-grad passes run. (The blocks' own autocast tests are
+in their files: test_rms_norm.py, test_rope.py, test_lora.py.)
 
 ``output_casts`` (a norm or rotation writes the bf16 result its readers cast to), ``rope_grad_upcasts`` (the
 rotation's backward reads attention's bf16 gradients) and ``norm_grad_upcasts`` (a norm backward reads its bf16
@@ -18,20 +19,15 @@ import torch
 
 import fuser
 import fuser.dynamo_backend as dynamo_backend
-from tests.models.tiny import N_LAYERS, assert_same_step, batch, build, from_config, grads
+from tests.models.harness import build_arch, post_grad_step
+from tests.models.tiny import N_LAYERS, assert_same_step
 
 CAST_PASSES = ("norm_grad_upcasts", "output_casts", "rope_grad_upcasts")
 CONFIG = fuser.FuserConfig(strict=True)  # Inductor, every default on
 
 
 def _model(arch: str) -> torch.nn.Module:
-    if arch == "phi3":
-        model = from_config("Phi3Config", {"attn_implementation": "sdpa", "pad_token_id": 0})
-    elif arch == "gemma3":
-        model = from_config("Gemma3TextConfig", {"attn_implementation": "sdpa", "sliding_window": 8})
-    else:
-        model = build(arch)
-    model.train()
+    model = build_arch(arch).train()
     model.config.use_cache = False  # a returned cache keeps the rotated k in fp32, and its cast with it
     return model
 
@@ -48,33 +44,21 @@ def _expected(arch: str) -> dict[str, int]:
     return {"norm_grad_upcasts": feeding, "output_casts": feeding + rotations, "rope_grad_upcasts": rotations}
 
 
-@pytest.fixture(autouse=True)
-def _no_inductor_cache():
-    import torch._functorch.config as functorch_config
-
-    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        yield
-
-
 def _autocast_step(model, monkeypatch, with_casts: bool):
     """(loss, gradients) of one autocast step through fuser, and the calls each cast pass rewrote."""
     real = dynamo_backend.post_grad_passes
     if not with_casts:
         without = lambda patterns: [p for p in real(patterns) if p.name not in CAST_PASSES]  # noqa: E731
         monkeypatch.setattr(dynamo_backend, "post_grad_passes", without)
-    backend = fuser.backend(CONFIG)
-    before = {name: backend.post_grad_counts.get(name, 0) for name in CAST_PASSES}
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fuser.optimize(model, CONFIG)(**batch())
-        out.loss.backward()
+        step, counts = post_grad_step(model, CONFIG, autocast=True)
     finally:
         monkeypatch.setattr(dynamo_backend, "post_grad_passes", real)
         torch._dynamo.reset()
-    taken = {name: backend.post_grad_counts.get(name, 0) - before[name] for name in CAST_PASSES}
-    return (out.loss.detach(), grads(model)), taken
+    return step, {name: counts.get(name, 0) for name in CAST_PASSES}
 
 
+@pytest.mark.usefixtures("inductor_caches_off")
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "olmo2", "phi3"])
 def test_autocast_step_with_the_cast_passes_equals_the_step_without_them(arch, monkeypatch):
     model = _model(arch)
