@@ -10,6 +10,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+# this tree's src/ first, whether or not the editable install took (a leftover fuser/ directory in the machine's copy
+# would otherwise be imported as an empty namespace package)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 for case in ${CASES:?}; do
   IFS=: read -r preset method lr layers <<< "$case"
   name="convergence_${preset}_${method}_lr${lr}"

@@ -12,6 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+# this tree's src/ first, whether or not the editable install took (a leftover fuser/ directory in the machine's copy
+# would otherwise be imported as an empty namespace package)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 {
   echo "date: $(date -u +%F)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"

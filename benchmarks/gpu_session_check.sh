@@ -7,6 +7,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/prof
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -1
+# this tree's src/ first, whether or not the editable install took (a leftover fuser/ directory in the machine's copy
+# would otherwise be imported as an empty namespace package)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 date -u
 (cd benchmarks && timeout 80 python3 host_overhead.py --out "$OUT/host_overhead.md" > /dev/null 2>&1)
 timeout 150 python3 benchmarks/train_step.py --job gemma3-4b-lora --all-modes --modes fuser --layers 6 --steps 6 \

@@ -17,6 +17,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+# this tree's src/ first, whether or not the editable install took (a leftover fuser/ directory in the machine's copy
+# would otherwise be imported as an empty namespace package)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ " $* " == *" --deepspeed "* ]]; then
   echo "deepspeed: compilers and ninja here: $(command -v g++ c++ ninja nvcc | tr '\n' ' ')"
 fi

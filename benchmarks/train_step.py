@@ -125,7 +125,7 @@ def run_all_modes(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     results: dict[str, dict[str, Any]] = {}
     command = shlex.join([sys.executable, *sys.argv])
-    with tempfile.TemporaryDirectory(prefix="train_step_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="train_step_", ignore_cleanup_errors=True) as tmp:
         for mode in args.modes:
             reason = check_mode(job, mode, device)
             if reason is not None:

@@ -292,7 +292,7 @@ def run_one(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="trainer_throughput_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trainer_throughput_", ignore_cleanup_errors=True) as tmp:
         for mode in args.modes:
             if reason := not_runnable(args, mode):
                 print(f"[{mode}] {reason}", file=sys.stderr)
