@@ -244,6 +244,27 @@ def test_padding_mask_from_the_batch_is_declined(gen):
     assert report.counts == {"causal_attention": 1} and report.matches[0].variant == "block-sparse mask", str(report)
 
 
+def test_padding_mask_in_a_graph_for_any_length_is_declined_with_the_reason(gen):
+    """A dynamic-shape graph (the second length of a padded run) keeps the masked call: Inductor cannot compile the
+    block mask's construction for a symbolic length, and a failed compile would leave the whole graph unfused."""
+
+    def model(q, k, v, keep):
+        i = torch.arange(q.shape[-2], device=q.device)
+        mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    backend = FuserBackend(BLOCK_MASKS)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for t in (T, 24):
+        q, k, v = qkv(gen, t, t)
+        keep = torch.ones(B, t, dtype=torch.bool)
+        keep[0, -3:] = False
+        torch.testing.assert_close(compiled(q, k, v, keep), model(q, k, v, keep), rtol=1e-5, atol=1e-6)
+    assert backend.counts == {}
+    reasons = [nm.reason for r in backend.results for nm in r.near_misses if nm.pattern == "causal_attention"]
+    assert reasons and all("compiled for any sequence length" in r for r in reasons), reasons
+
+
 def test_unequal_lengths_and_is_causal_already_set(gen):
     q, k, v = qkv(gen, t_q=8, t_k=T)
 

@@ -287,6 +287,13 @@ def _block_sparse(found: Found) -> Replacement:
         raise Decline(f"{what} with heads of {q.shape[-1]}: fuser gives FlexAttention heads of at most {widest}")
     if mask.dim() == 4 and not (statically_equal(mask.shape[0], 1) or statically_equal(mask.shape[0], q.shape[0])):
         raise Decline(f"{what} of batch {mask.shape[0]} for a query of batch {q.shape[0]}")
+    if any(isinstance(d, torch.SymInt) for d in (*q.shape[-2:], *mask.shape[-2:])):
+        # Inductor fails to compile the block mask's construction for a symbolic length (its block count
+        # ceil(T / 128) does not split: CantSplit), and the whole graph would then run unfused
+        raise Decline(
+            f"{what} in a graph compiled for any sequence length: Inductor cannot build FlexAttention's block mask "
+            "there, so the masked attention stays as written (each length compiled on its own would fuse it)"
+        )
     args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
     return Replacement(block_sparse_sdpa, args, variant="block-sparse mask")
 
