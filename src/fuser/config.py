@@ -180,7 +180,8 @@ class FuserConfig(SectionedOptions):
     zero gradient across them). Each call reads the mask, labels and positions on the host (one device
     synchronisation); every batch has another packed length, so Dynamo compiles a second, dynamic-length graph at the
     second batch; the packed graph's attention takes a mask built from the positions
-    (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU). Where packing is not shown exact the
+    (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU in the first graph; the dynamic-length
+    one keeps the masked SDPA call). Where packing is not shown exact the
     call runs padded and fuser says why once (logger ``"fuser"``, ``fuser.report(model).padding_free``): hidden
     states, attentions, router logits or a cache asked for, ``inputs_embeds`` or other inputs it cannot gather (pixel
     inputs, ``token_type_ids``), a mask with holes, labels that make the padded loss read a pad position, another

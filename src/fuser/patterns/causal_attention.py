@@ -90,7 +90,8 @@ class CausalAttentionConfig:
     FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
     on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
     element by element. No host synchronisation, no assumption about the mask. Elsewhere (CPU, fp32) the masked SDPA
-    as written. ``experimental.causal_attention.runtime_check`` takes precedence."""
+    as written. Not in a graph compiled for any sequence length (Inductor cannot build the block mask for a symbolic
+    length): there the masked call stays. ``experimental.causal_attention.runtime_check`` takes precedence."""
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")
