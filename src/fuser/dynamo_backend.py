@@ -271,25 +271,18 @@ class FuserBackend:
             if result is not None and result in self.results:
                 self.results.remove(result)
             raise
-        except _compat.dynamo_fallback_exceptions() as error:
-            # an op fake tensors cannot trace (nonzero of a boolean mask, .item()): Dynamo breaks the graph there and
-            # sends the pieces, as it does for any backend. The captured graph failing the same way makes it Dynamo's
-            # to handle, not the rewrite's; the graph compiled in pieces is not this one, so its result goes.
-            if result is not None and result in self.results:
-                self.results.remove(result)
-            try:
-                compiled = self.compile_inner(gm, example_inputs)
-            except _compat.dynamo_fallback_exceptions():
-                raise error from None
-            if self.config.strict:
-                raise FuserError(f"fuser: compiling the rewritten graph failed: {error!r}") from error
-            warnings.warn(
-                f"fuser: compiling the rewritten graph failed ({error!r}); compiling the unrewritten graph instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return compiled
         except Exception as error:
+            unrewritten = None
+            if isinstance(error, _compat.dynamo_fallback_exceptions()):
+                # an op fake tensors cannot trace (nonzero of a boolean mask, .item()): Dynamo breaks the graph there
+                # and sends the pieces, as it does for any backend. The captured graph failing the same way makes it
+                # Dynamo's to handle, not the rewrite's; the graph compiled in pieces is not this one.
+                try:
+                    unrewritten = self.compile_inner(gm, example_inputs)
+                except _compat.dynamo_fallback_exceptions():
+                    if result is not None:
+                        self.results.remove(result)
+                    raise error from None
             if self.config.strict:
                 raise FuserError(f"fuser: compiling the rewritten graph failed: {error!r}") from error
             warnings.warn(
@@ -299,7 +292,7 @@ class FuserBackend:
             )
             if result is not None:
                 self.results.remove(result)
-            return self.compile_inner(gm, example_inputs)
+            return unrewritten if unrewritten is not None else self.compile_inner(gm, example_inputs)
 
     @contextlib.contextmanager
     def calls_scope(self) -> Iterator[None]:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fuser
+from tests.models.harness import inductor_caches_off
 from tests.models.tiny import batch, build, checkpointed, grads, lora_model
 
 DEFAULT = fuser.FuserConfig(strict=True)  # the default inner compiler: Inductor
@@ -57,13 +58,11 @@ class Step:
 def isolated_compile() -> Iterator[None]:
     """A compile as each test makes it: from a clean Dynamo cache and fresh fuser backends, with Inductor's graph
     caches off (a cached graph skips the post-grad passes and their counts); both cleared again after."""
-    import torch._functorch.config as functorch_config
-
     import fuser.dynamo_backend
 
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with inductor_caches_off():
         yield
     torch._dynamo.reset()
     fuser.dynamo_backend._BACKENDS.clear()
