@@ -50,28 +50,29 @@ ARCHS = {
 BATCHES = {"right": ((5, 9, 3), ()), "mixed": ((7, 4, 9), (1,)), "left": ((6, 2, 8), (0, 1, 2))}
 
 
-def tiny(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def tiny(arch: str, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
     cls_name, extra = ARCHS[arch]
+    extra = {**extra, **overrides}
     torch.manual_seed(0)
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()  # dropout is 0 in these configs
 
 
-def padded_batch(lengths, left=(), seed: int = 1) -> dict[str, torch.Tensor]:
+def padded_batch(lengths, left=(), seed: int = 1, length: int = LENGTH) -> dict[str, torch.Tensor]:
     """A batch as a padding collator gives it: pads (id 0) after the real tokens, or before them in ``left`` rows;
     labels are the ids with -100 at pads, and at a left-padded row's first token (a prompt token, as completion-only
     collators mask it): with a label there, the padded loss would train the last pad token to predict it."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (len(lengths), LENGTH), generator=g)
+    ids = torch.randint(3, VOCAB, (len(lengths), length), generator=g)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        mask[row, LENGTH - n :] = 1 if row in left else 0
+        mask[row, length - n :] = 1 if row in left else 0
         if row not in left:
             mask[row, :n] = 1
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     for row in left:
-        labels[row, LENGTH - lengths[row]] = -100
+        labels[row, length - lengths[row]] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -226,8 +227,7 @@ def step_compiled(compiled, model, data):
 
 def test_three_batches_through_optimize_compile_twice_and_train_like_the_padded_run():
     """Llama through fuser (strict): right-, mixed- and left-padded batches of 17, 20 and 16 real tokens; the second
-    length compiles a dynamic graph that serves the third; every block fuses in both graphs but the attention of the
-    dynamic one. The fused ops run
+    length compiles a dynamic graph that serves the third; every block fuses in both graphs. The fused ops run
     their own backward either way; the inner compiler is eager to keep CI short (the Gemma-3 test goes through AOT
     autograd)."""
     config = fuser.FuserConfig(strict=True, inner_compiler="eager", padding_free=True)
@@ -237,11 +237,9 @@ def test_three_batches_through_optimize_compile_twice_and_train_like_the_padded_
     assert "size mismatch at index 1" in report.recompile_reasons[0]
     first, again = fuser.backend(config).results
     assert first.counts["linear_cross_entropy"] == 1 and first.counts["causal_attention"] == 2
-    # the dynamic graph keeps the packed mask's attention as written (FlexAttention's block mask does not compile
-    # for a symbolic length) and fuses every other block
-    assert again.counts == {k: v for k, v in first.counts.items() if k != "causal_attention"}
-    declined = [nm.reason for nm in again.near_misses if nm.pattern == "causal_attention"]
-    assert declined and all("any sequence length" in reason for reason in declined), declined
+    # the dynamic graph fuses the same blocks, the packed mask's attention on the block mask among them
+    assert again.counts == first.counts
+    assert {m.variant for m in again.matches if m.pattern == "causal_attention"} == {"block-sparse mask"}
     assert report.padding_free.packed == 3 and not report.padding_free.declined
     assert report.padding_free.real_tokens == 17 + 20 + 16 and report.padding_free.padded_tokens == 3 * 3 * LENGTH
 
@@ -363,3 +361,32 @@ def test_sft_trainer_trains_packed_through_trls_fused_lm_head(tmp_path):
     for got, want in zip(packed, plain, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     assert fuser.report(model).padding_free.packed == 2
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_packed_runs_flex_block_masks_at_every_length():
+    """Llama in bf16 on a CUDA GPU with ``padding_free``, through Inductor: three padded batches of different
+    lengths (right, mixed and left padding; up to 400 tokens, several 128-token tiles). The first compiles a static
+    graph, the second one for any length, which serves the third; both run the packed mask's attention on
+    FlexAttention's block mask. Each step's loss and gradients stay as close to the padded fp64 eager step as
+    padded eager bf16 is (the bar of tests/models/test_gpu.py)."""
+    from tests.models.harness import assert_no_further_than_eager
+
+    base = tiny("llama", max_position_embeddings=512).cuda()
+    config = fuser.FuserConfig(strict=True, padding_free=True)
+    model = copy.deepcopy(base).bfloat16()
+    compiled = fuser.optimize(model, config)
+    eager, reference = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).double()
+    batches = [((300, 170, 256), ()), ((150, 333, 90), (1,)), ((400, 211, 388), (0, 1, 2))]
+    for lengths, left in batches:
+        data = {k: v.cuda() for k, v in padded_batch(lengths, left, length=max(lengths)).items()}
+        (out, g), (ref, g_ref), (bf, g_bf) = (
+            step_compiled(compiled, model, data), step(reference, data, False), step(eager, data, False)
+        )
+        loss = lambda o: o.loss.detach().float()  # noqa: E731
+        assert_no_further_than_eager((loss(out), g), (loss(bf), g_bf), (loss(ref), g_ref), 1.5, 4e-3)
+    report = fuser.report(compiled)
+    assert report.graphs == 2 and report.padding_free.packed == 3, str(report)
+    for result in fuser.backend(config).results:
+        variants = [m.variant for m in result.matches if m.pattern == "causal_attention"]
+        assert variants == ["block-sparse mask"] * 2, str(report)

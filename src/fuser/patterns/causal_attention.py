@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from fuser._compat import statically_equal, statically_same_shape, sympy_expr
 from fuser.engine.canonical import code_at, tensor_meta
 from fuser.engine.match import OUTER_VALUE, C, Found, Op, S, V
+from fuser.kernels.block_mask import block_mask
 from fuser.kernels.window_attention import window_mask, window_sdpa
 from fuser.options import check_fields
 from fuser.patterns.base import Decline, Pattern, Replacement, Variant
@@ -89,9 +90,9 @@ class CausalAttentionConfig:
     """A bool mask computed from graph inputs (the causal mask and the batch's ``attention_mask``) runs on
     FlexAttention (fp16/bf16 on a CUDA GPU, heads of at most 128) with a block mask built from the mask's own values
     on the device: blocks the mask hides entirely (above the diagonal, all-pad keys) are skipped, the others masked
-    element by element. No host synchronisation, no assumption about the mask. Elsewhere (CPU, fp32) the masked SDPA
-    as written. Not in a graph compiled for any sequence length (Inductor cannot build the block mask for a symbolic
-    length): there the masked call stays. ``experimental.causal_attention.runtime_check`` takes precedence."""
+    element by element. No host synchronisation, no assumption about the mask; also in a graph compiled for any
+    sequence length (``src/fuser/kernels/block_mask.py``). Elsewhere (CPU, fp32) the masked SDPA as written.
+    ``experimental.causal_attention.runtime_check`` takes precedence."""
 
     def __post_init__(self) -> None:
         check_fields(self, "causal_attention")
@@ -288,13 +289,6 @@ def _block_sparse(found: Found) -> Replacement:
         raise Decline(f"{what} with heads of {q.shape[-1]}: fuser gives FlexAttention heads of at most {widest}")
     if mask.dim() == 4 and not (statically_equal(mask.shape[0], 1) or statically_equal(mask.shape[0], q.shape[0])):
         raise Decline(f"{what} of batch {mask.shape[0]} for a query of batch {q.shape[0]}")
-    if any(isinstance(d, torch.SymInt) for d in (*q.shape[-2:], *mask.shape[-2:])):
-        # Inductor fails to compile the block mask's construction for a symbolic length (its block count
-        # ceil(T / 128) does not split: CantSplit), and the whole graph would then run unfused
-        raise Decline(
-            f"{what} in a graph compiled for any sequence length: Inductor cannot build FlexAttention's block mask "
-            "there, so the masked attention stays as written (each length compiled on its own would fuse it)"
-        )
     args = (b["q"], b["k"], b["v"], b["mask"], b["scale"], bool(b["enable_gqa"]))
     return Replacement(block_sparse_sdpa, args, variant="block-sparse mask")
 
@@ -307,16 +301,17 @@ def block_sparse_sdpa(query, key, value, mask, scale=None, enable_gqa=False):
     usable = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
     if not usable:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    allowed = mask if mask.dim() == 4 else mask[None, None]
-    batch, length = allowed.shape[0], query.shape[-2]
+    length = query.shape[-2]
+    # one mask row per query row: FlexAttention calls mask_mod with the query's batch index (a view, no copy)
+    allowed = (mask if mask.dim() == 4 else mask[None, None]).expand(query.shape[0], 1, length, length)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return allowed[b, 0, q_idx, kv_idx]
 
-    block_mask = create_block_mask(mask_mod, batch, None, length, length, device=query.device)
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    blocks = block_mask(allowed, mask_mod, length, length)
+    return flex_attention(query, key, value, block_mask=blocks, scale=scale, enable_gqa=enable_gqa)
 
 
 def _check_window_operands(q: Node, k: Node, v: Node, enable_gqa: bool, window: int) -> None:
