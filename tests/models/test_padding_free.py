@@ -381,7 +381,9 @@ def test_gpu_bf16_packed_runs_flex_block_masks_at_every_length():
     for lengths, left in batches:
         data = {k: v.cuda() for k, v in padded_batch(lengths, left, length=max(lengths)).items()}
         (out, g), (ref, g_ref), (bf, g_bf) = (
-            step_compiled(compiled, model, data), step(reference, data, False), step(eager, data, False)
+            step_compiled(compiled, model, data),
+            step(reference, data, False),
+            step(eager, data, False),
         )
         loss = lambda o: o.loss.detach().float()  # noqa: E731
         assert_no_further_than_eager((loss(out), g), (loss(bf), g_bf), (loss(ref), g_ref), 1.5, 4e-3)

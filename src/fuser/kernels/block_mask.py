@@ -3,8 +3,8 @@
 FlexAttention skips the ``128 × 128`` tiles a mask hides entirely and masks the others element by element. What it
 needs from a ``[B, 1, T, S]`` bool mask (True = attend) is, for each row of tiles, how many tiles are partly or
 wholly visible and which (``kv_num_blocks``, ``kv_indices``, and the same for the wholly visible ones), and the
-transpose for the backward (``q_num_blocks``, ``q_indices``, ...): :class:`torch.nn.attention.flex_attention.BlockMask`'s
-tensors, the ones ``create_block_mask`` computes.
+transpose for the backward (``q_num_blocks``, ``q_indices``, ...): the tensors of
+:class:`torch.nn.attention.flex_attention.BlockMask`, the ones ``create_block_mask`` computes.
 
 Why an op. ``create_block_mask`` traced into a compiled graph is a pad, a view into tiles, a sum and argsorts, which
 Inductor lowers with the rest of the graph. In a graph compiled for a symbolic sequence length ``T``, that lowering
