@@ -9,7 +9,8 @@ random lengths (``--lengths fixed:2048``, ``uniform:512-2048``), padded by the t
 multiple of 64: ``DataCollatorForLanguageModeling(mlm=False)`` (labels -100 and attention_mask 0 at the pads)
 for ``--trainer trainer``; for ``--trainer sft``, SFTTrainer's collator over a ``datasets.Dataset`` of
 ``input_ids``, with ``max_length`` the longest row and TRL's defaults otherwise (gradient checkpointing on, its
-own loss).
+own loss). ``--packing`` packs each batch into one row instead, no pads, ``position_ids`` restarting at each row:
+``DataCollatorWithFlattening`` for Trainer, ``SFTConfig(padding_free=True)`` for SFTTrainer.
 
 Modes (``--modes``, comma-separated), each in its own process with fresh Inductor and Triton caches:
 
@@ -126,6 +127,7 @@ VERSIONED = (
 # what makes two runs' rows one table (--combine)
 SETUP_KEYS = ("model", "layers", "tiny", "method", "trainer", "lengths", "seed", "batch", "steps", "warmup")
 SETUP_KEYS += ("gradient_checkpointing", "fuser_option", "deepspeed", "deepspeed_optimizer", "input_require_grads")
+SETUP_KEYS += ("packing",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,6 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         help="non-reentrant; default off for Trainer, TRL's default (on) for SFTTrainer; Unsloth's own when on",
+    )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="each batch's rows packed into one row, no pads: DataCollatorWithFlattening for Trainer, "
+        "SFTConfig(padding_free=True) for SFTTrainer (position_ids restart at each row's first token)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated (default all)")
     parser.add_argument(
@@ -270,6 +278,8 @@ def child_command(args: argparse.Namespace, mode: str, json_path: Path) -> list[
         cmd += ["--deepspeed", args.deepspeed, "--deepspeed-optimizer", args.deepspeed_optimizer]
     if args.input_require_grads:
         cmd.append("--input-require-grads")
+    if args.packing:
+        cmd.append("--packing")
     return cmd
 
 
@@ -333,15 +343,20 @@ def describe(setup: dict[str, Any], results: dict[str, dict[str, Any]]) -> tuple
         title += f", DeepSpeed {setup['deepspeed']}"
     lengths = Lengths.parse(setup["lengths"])
     collator = "SFTTrainer's collator" if setup["trainer"] == "sft" else "DataCollatorForLanguageModeling(mlm=False)"
+    if setup.get("packing"):
+        collator = "SFTTrainer's padding_free collator" if setup["trainer"] == "sft" else "DataCollatorWithFlattening"
     real = [sum(r["real_tokens"]) / sum(r["padded_tokens"]) for r in results.values() if r.get("padded_tokens")]
     padding = f"; real tokens {100 * real[0]:.1f}% of the padded batches" if real and real[0] < 1 else ""
     checkpointing = {True: "on (non-reentrant)", False: "off", None: "SFTTrainer's default"}[
         setup["gradient_checkpointing"]
     ]
     timed = setup["steps"] - setup["warmup"]
+    batched = f"padded by {collator} to a multiple of {PAD_TO_MULTIPLE_OF}"
+    if setup.get("packing"):
+        batched = f"packed into one row a batch by {collator} (position_ids restart at each row, no pads)"
     text = (
-        f"batch {setup['batch']} rows; {lengths.describe(setup['seed'])}, random token ids, padded by {collator} "
-        f"to a multiple of {PAD_TO_MULTIPLE_OF}{padding}; bf16=True, optim adamw_torch_fused, "
+        f"batch {setup['batch']} rows; {lengths.describe(setup['seed'])}, random token ids, {batched}{padding}; "
+        "bf16=True, optim adamw_torch_fused, "
         f"lr {LEARNING_RATE[setup['method']]:.0e}; gradient checkpointing {checkpointing}; "
         f"{setup['steps']} steps, tokens/s (real tokens only) over the last {timed}; each mode in its own process "
         "with fresh Inductor and Triton caches"

@@ -338,7 +338,7 @@ def make_trainer(args: argparse.Namespace, model, tokenizer, rows: list[list[int
             **common,
             **checkpointing_args(args.gradient_checkpointing, trl.SFTConfig),  # none given: TRL's default (on)
             max_length=max_length,  # its default (1024) would cut the rows
-            pad_to_multiple_of=PAD_TO_MULTIPLE_OF,
+            **({"padding_free": True} if args.packing else {"pad_to_multiple_of": PAD_TO_MULTIPLE_OF}),
         )
         dataset = datasets.Dataset.from_dict({"input_ids": rows})
         return trl.SFTTrainer(
@@ -348,6 +348,9 @@ def make_trainer(args: argparse.Namespace, model, tokenizer, rows: list[list[int
     training_args = transformers.TrainingArguments(**common, **checkpointing)
     # labels: input_ids with -100 at the pads; attention_mask: 0 at the pads
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
+    if args.packing:
+        # one row of the batch's tokens, position_ids restarting at each row, labels -100 at each row's first token
+        collator = transformers.DataCollatorWithFlattening()
     return transformers.Trainer(
         model=model, args=training_args, train_dataset=TokenRows(rows), data_collator=collator, callbacks=callbacks
     )

@@ -77,3 +77,20 @@ def test_missing_package_is_a_row_not_a_crash(bench, tmp_path, monkeypatch):
     text = combined.read_text()
     assert "| liger | not installed: liger_kernel |" in text
     assert "| unsloth | error: ImportError: no unsloth / here |" in text
+
+
+def test_packing_runs_the_same_rows_without_pads(bench, tmp_path):
+    """``--packing`` (DataCollatorWithFlattening): each batch is one row of the same rows' tokens, no pad among
+    them, so the real token counts are the padded run's; the setup line says how the batches were made."""
+    runs = {}
+    for name, extra in (("padded", []), ("packed", ["--packing"])):
+        path = tmp_path / f"{name}.json"
+        assert bench.main([*ARGV, "--mode", "none", *extra, "--json", str(path)]) == 0
+        runs[name] = json.loads(path.read_text())
+    packed, padded = runs["packed"], runs["padded"]
+    assert packed["status"] == "ok" and all(math.isfinite(x) for x in packed["losses"])
+    assert packed["real_tokens"] == packed["padded_tokens"] == padded["real_tokens"]
+    args = bench.parse_args([*ARGV, "--packing", "--modes", "none"])
+    assert "--packing" in bench.child_command(args, "none", tmp_path / "x.json")
+    record = dict(command="…", date="…", device="CPU", versions=bench.versions(), setup=bench.setup_of(args))
+    assert "packed into one row a batch by DataCollatorWithFlattening" in bench.report({**record, "modes": {}})
