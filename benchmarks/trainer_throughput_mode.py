@@ -72,8 +72,12 @@ class Lengths:
 
 def build_config(args: argparse.Namespace, lengths: Lengths):
     """The model's transformers config as a checkpoint's ``from_pretrained`` gives it (``use_cache`` and all), sdpa
-    attention, ``--tiny`` and ``--layers`` applied."""
+    attention, ``--tiny`` and ``--layers`` applied. With ``--packing``, ``use_cache=False``: with a cache (the
+    config's default, also in training) transformers builds one causal mask over the packed row, and its rows attend
+    to each other; without one it builds the block-diagonal mask from where ``position_ids`` restart."""
     fields: dict[str, Any] = dict(attn_implementation="sdpa")
+    if args.packing:
+        fields["use_cache"] = False
     if args.tiny:
         fields.update(TINY_FIELDS)
     if args.layers is not None:
