@@ -180,13 +180,13 @@ class FuserConfig(SectionedOptions):
     zero gradient across them). Each call reads the mask, labels and positions on the host (one device
     synchronisation); every batch has another packed length, so Dynamo compiles a second, dynamic-length graph at the
     second batch; the packed graph's attention takes a mask built from the positions
-    (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU in the first graph; the dynamic-length
-    one keeps the masked SDPA call). Where packing is not shown exact the
+    (``causal_attention.block_sparse_masks`` runs it on FlexAttention on a GPU, in the dynamic-length graph too).
+    Where packing is not shown exact the
     call runs padded and fuser says why once (logger ``"fuser"``, ``fuser.report(model).padding_free``): hidden
     states, attentions, router logits or a cache asked for, ``inputs_embeds`` or other inputs it cannot gather (pixel
     inputs, ``token_type_ids``), a mask with holes, labels that make the padded loss read a pad position, another
     attention implementation, a model whose mask ignores ``position_ids`` (``src/fuser/padding_free.py`` lists every
-    case). Off by default until measured on a GPU."""
+    case). Off by default: measured on a GPU only on a cut-down model (``docs/defaults.md``)."""
 
     experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
     """Switches kept to compare implementations, which may change or go away in any release. Each default won a
