@@ -542,9 +542,14 @@ def _ungated_mlp_counters(module: torch.nn.Module) -> list[torch.nn.Module]:
     least two linears and is no gated MLP nor attention (a projector's ``linear_1, act, linear_2``, a merger's
     ``Sequential(Linear, GELU, Linear)``, one activation per MLP); else ``coverage._ungated_up_projection``'s first
     projection (an MLP that calls its activation as a function), and a Q-Former layer's second feed-forward."""
-    if text_coverage._is_gated_mlp_module(module) or _is_attention_module(module):
-        return []
     children = dict(module.named_children())
+    if text_coverage._is_gated_mlp_module(module):
+        # a gated MLP with a second activation before it (GLM-4V's patch merger: proj → norm → act1 → gated MLP):
+        # the activation modules besides the gate's ``act_fn`` are an un-gated block between projections
+        activations = {name: c for name, c in children.items() if _is_activation(c)}
+        return [c for name, c in activations.items() if name != "act_fn"] if len(activations) > 1 else []
+    if _is_attention_module(module):
+        return []
     activations = [c for c in children.values() if _is_activation(c)]  # a Sequential's count as its own
     if activations and len(_linears(module)) >= 2:
         return activations

@@ -130,15 +130,22 @@ def other_tanh_constant(x, w1, b1, w2, b2):
     return F.linear(0.5 * h * (1.0 + torch.tanh(0.8 * (h + 0.044715 * torch.pow(h, 3.0)))), w2)
 
 
+def relu_scores_weighted(x, w1, b1, w2, b2):  # a sparse-attention indexer: weights @ relu(q @ kᵀ), no MLP
+    scores = F.linear(x, w1, b1)  # [2, 5, INTER]
+    weights = F.linear(x, w1[:5])  # [2, 5, 5]: computed from the input, not a layer's weight
+    return torch.matmul(weights, F.relu(scores))
+
+
 @pytest.mark.parametrize(
     "fn, reason",
     [
         (gelu_then_norm, "not only by a projection"),
+        (relu_scores_weighted, "as the matrix it multiplies by"),
         (relu_cubed, "relu(h) to the power 3"),
         (scaled_sigmoid, "neither QuickGELU (1.702) nor silu (1)"),
         (other_tanh_constant, "the tanh formula has 0.8"),
     ],
-    ids=["read_by_norm", "relu_cubed", "scaled_sigmoid", "tanh_constant"],
+    ids=["read_by_norm", "relu_scores_weighted", "relu_cubed", "scaled_sigmoid", "tanh_constant"],
 )
 def test_near_miss_declines_and_says_why(fn, reason):
     report = fuser.explain(fn, *_inputs(requires_grad=False))

@@ -234,6 +234,15 @@ _METADATA_METHODS = ("size", "dim", "numel", "stride")
 _AUTOGRAD_FUNCTION_APPLY = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
 
+def _projected_operand(user: torch.fx.Node, name: str) -> object:
+    """The operand a projection call ``user`` multiplies by its weight: ``addmm(bias, x, W)``'s ``x``, else the
+    first (``linear(x, W)``, ``x @ W``, ``bmm(x, W)``, ``grouped_mm(x, W)``, ``dropout(x)``)."""
+    index = 1 if name == "addmm" else 0
+    if len(user.args) > index:
+        return user.args[index]
+    return next(iter(user.kwargs.values()), None)
+
+
 def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
     """A user of the product that is not a projection (through casts and reshapes), as text for the report; or None.
 
@@ -253,6 +262,10 @@ def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
             if why is not None:
                 return f"`{user.name}` ({why})"
         elif user.op == "call_function" and any(t in name for t in _PROJECTION_TARGETS):
+            if _projected_operand(user, name) is not node:
+                # the value is the matrix a product multiplies by (``weights @ act(scores)``), not what a projection
+                # multiplies: a computed matrix, not an MLP's input to its next layer
+                return f"`{user.name}` (as the matrix it multiplies by)"
             continue
         elif (c := canonical(user)) is not None and c.op == "linear" and c.args[0] is node:
             continue  # a custom autograd.Function computing a linear (src/fuser/engine/function_linear.py)
