@@ -234,15 +234,6 @@ _METADATA_METHODS = ("size", "dim", "numel", "stride")
 _AUTOGRAD_FUNCTION_APPLY = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
 
-def _projected_operand(user: torch.fx.Node, name: str) -> object:
-    """The operand a projection call ``user`` multiplies by its weight: ``addmm(bias, x, W)``'s ``x``, else the
-    first (``linear(x, W)``, ``x @ W``, ``bmm(x, W)``, ``grouped_mm(x, W)``, ``dropout(x)``)."""
-    index = 1 if name == "addmm" else 0
-    if len(user.args) > index:
-        return user.args[index]
-    return next(iter(user.kwargs.values()), None)
-
-
 def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
     """A user of the product that is not a projection (through casts and reshapes), as text for the report; or None.
 
@@ -262,7 +253,9 @@ def _non_projection_user(node: torch.fx.Node, depth: int = 0) -> str | None:
             if why is not None:
                 return f"`{user.name}` ({why})"
         elif user.op == "call_function" and any(t in name for t in _PROJECTION_TARGETS):
-            if _projected_operand(user, name) is not node:
+            index = _matmul_input_index(user) or 0  # addmm(bias, x, W)'s x; the first operand of the rest
+            operand = user.args[index] if index < len(user.args) else user.kwargs.get("input")
+            if operand is not node:
                 # the value is the matrix a product multiplies by (``weights @ act(scores)``), not what a projection
                 # multiplies: a computed matrix, not an MLP's input to its next layer
                 return f"`{user.name}` (as the matrix it multiplies by)"
