@@ -287,7 +287,7 @@ def test_recompute_gated_input_by_name(recompute, gen, rewritten):
     assert len(calls(rewritten, OPS.upcast_linear_gated.default)) == int(recompute)
 
 
-# --- experimental.lora_sum: fp32_base, gated_in_slices --------------------------------------------------------
+# --- experimental.lora_sum: fp32_base, gated_in_slices, fp32_autocast_adapters ---------------------------------
 
 
 @pytest.mark.parametrize("fp32_base", [False, True])
@@ -299,6 +299,26 @@ def test_lora_sum_fp32_base_by_name(fp32_base, gen, rewritten):
     assert len(wide) == int(fp32_base)
     rounded = [n for n in calls(rewritten, OPS.lora_sum.default) if n.args[0] in wide]
     assert len(rounded) == int(fp32_base) and all(n.args[5] == torch.float16 for n in rounded)
+
+
+def autocast_lora_mlp(*args):  # the same under CPU bf16 autocast (Trainer(bf16=True) over a bf16 base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return lora_mlp(*args)
+
+
+@pytest.mark.parametrize("fp32_adapters", [False, True])
+def test_lora_sum_fp32_autocast_adapters_by_name(fp32_adapters, gen, rewritten):
+    """Under autocast every LoRA sum and lora_A take the adapters autocast rounded to bf16, or with
+    ``fp32_autocast_adapters`` the fp32 adapters themselves (and lora_A's output in fp32)."""
+    options = {"experimental.lora_sum.fp32_autocast_adapters": fp32_adapters}
+    compile_by_name(autocast_lora_mlp, options, *lora_inputs(gen, torch.bfloat16))
+    want = torch.float32 if fp32_adapters else torch.bfloat16
+    sums = [n for op in (OPS.lora_sum.default, OPS.lora_sum_wide.default) for n in calls(rewritten, op)]
+    downs = [n for n in calls(rewritten, OPS.upcast_linear.default)]  # down's lora_A (gate's and up's are grouped)
+    assert len(sums) == 3 and downs
+    assert {n.args[2].meta["example_value"].dtype for n in sums} == {want}
+    assert {n.args[1].meta["example_value"].dtype for n in downs} == {want}
+    assert {n.meta["example_value"].dtype for n in downs} == {want}
 
 
 def gated_of_wide_sums(gb, ga, gw, ub, ua, uw):  # the three calls lora_sum's post-grad pass takes in
@@ -346,7 +366,9 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     assert experimental.causal_attention == CausalAttentionExperimental(gqa_fold=True, runtime_check=False)
     assert experimental.gated_mlp == GatedMLPExperimental(backward_in_place=True, backward_writes_product=True)
     assert experimental.upcast_linear == UpcastLinearExperimental(triton=True, group_shared_inputs=True)
-    assert experimental.lora_sum == LoraSumExperimental(fp32_base=True, gated_in_slices=False)
+    assert experimental.lora_sum == LoraSumExperimental(
+        fp32_base=True, gated_in_slices=False, fp32_autocast_adapters=False
+    )
     assert experimental.rms_norm == RmsNormExperimental(residual_add=True, gradient_sums=True)
     sections = [config.causal_attention, config.gated_mlp, config.upcast_linear, config.rms_norm_linear]
     sections += [experimental.linear_cross_entropy, experimental.lora_sum, experimental.rms_norm]
@@ -462,6 +484,7 @@ EVERY_SWITCH = [
     {"experimental.upcast_linear.triton": False},
     {"experimental.upcast_linear.group_shared_inputs": False},
     {"experimental.lora_sum.fp32_base": False},
+    {"experimental.lora_sum.fp32_autocast_adapters": True},
     {"experimental.lora_sum.gated_in_slices": True},
     {"experimental.rms_norm.residual_add": False},
     {"experimental.rms_norm.gradient_sums": False},

@@ -144,6 +144,30 @@ def test_a_sliced_from_a_shared_adapter_output(gpu_tiles, gen, triton_path, monk
     assert rel(a.grad, da) < 1e-6 and rel(w.grad, dw) < 1e-6, (rel(a.grad, da), rel(w.grad, dw))
 
 
+@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=interpreter)])
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu tiles", "gpu tiles"])
+def test_half_adapter_as_autocast_rounds_it(path, gpu_tiles, gen, request, monkeypatch):
+    """An adapter and ``a`` in the base's half dtype (autocast's rounded copies): the products of the half
+    operands exact, fp32 sums, the sum rounded once; da and dB each rounded once to their half dtype."""
+    launched = request.getfixturevalue("triton_path") if path == "triton" else None
+    if gpu_tiles:
+        monkeypatch.setattr(U, "_CPU_CONFIGS", U.CONFIGS)
+    base, a, w = leaves(gen, (3, 40), 16, 72, torch.float16)
+    a, w = (t.detach().to(torch.float16).requires_grad_() for t in (a, w))
+    g = torch.randn(3, 40, 72, generator=gen).to(torch.float16)
+    out = lora_sum(base, a, w, 0.5)
+    out.backward(g)
+    if launched is not None:
+        assert launched == ["_dx_triton", "_forward_triton", "_dw_triton"], launched
+    exact, dbase, da, dw = fp64_reference(base, a, w, 0.5, g)
+    within_one_rounding(out, exact, base, a, w, 0.5)
+    assert torch.equal(base.grad, g)
+    assert a.grad.dtype == torch.float16 and w.grad.dtype == torch.float16
+    # fp32 sums (of 72 outputs, of 120 rows), then one rounding to fp16
+    for got, want in ((a.grad, da), (w.grad, dw)):
+        torch.testing.assert_close(got, want.to(torch.float16), rtol=2.0**-10, atol=2.0**-14)
+
+
 @interpreter
 def test_triton_kernels_equal_the_reference_path_to_fp32_rounding(gen, triton_path, monkeypatch):
     base, a, w = leaves(gen, (3, 50), 16, 48, torch.float16)
@@ -160,6 +184,29 @@ def test_triton_kernels_equal_the_reference_path_to_fp32_rounding(gen, triton_pa
     assert torch.equal(fused[1], base.grad)
     for got, want in zip(fused[2:], grads((a, w)), strict=True):
         assert rel(got, want) < 1e-6, rel(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rank, n_out", [(16, 4096), (16, 14336), (64, 4096)], ids=str)
+def test_gpu_half_adapter_at_lora_shapes(dtype, rank, n_out):
+    """Autocast's rounded adapter on the GPU's tensor cores (native half dots): the sum within one rounding of the
+    exact sum of the half operands, da and dB within one half rounding of theirs (fp32 sums over 8192 rows)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype).requires_grad_()
+    a = torch.randn(4, 2048, rank, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (0.02 * torch.randn(n_out, rank, device="cuda", generator=gen)).to(dtype).requires_grad_()
+    g = torch.randn(4, 2048, n_out, device="cuda", generator=gen).to(dtype)
+    assert module.triton_path(base, a, w)
+    exact, dbase, da, dw = fp64_reference(base, a, w, 2.0, g)
+    out = lora_sum(base, a, w, 2.0)
+    out.backward(g)
+    within_one_rounding(out, exact, base, a, w, 2.0)
+    eps = torch.finfo(dtype).eps
+    for name, got, want in (("da", a.grad, da), ("dB", w.grad, dw)):
+        assert got.dtype == dtype
+        excess = (got.double() - want).abs() - (want.abs() * eps / 2 + want.abs().max() * 1e-5)
+        assert (excess <= 0).all(), f"{name}: {(excess > 0).sum().item()} elements beyond one rounding"
 
 
 @pytest.mark.gpu

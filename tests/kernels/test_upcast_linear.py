@@ -218,6 +218,27 @@ def test_forward_with_the_inputs_split_matches_fp64(split_k, gen, triton_path, m
 
 
 @interpreter
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu tiles", "gpu tiles"])
+def test_triton_kernels_with_a_half_weight_match_fp64(gpu_tiles, gen, triton_path, monkeypatch):
+    """A weight in x's half dtype (an adapter autocast rounded): the dots take both operands as they are (each
+    product exact), fp32 sums, each result rounded once to the half dtype, as autocast's matmuls round."""
+    if gpu_tiles:
+        monkeypatch.setattr(module, "_CPU_CONFIGS", module.CONFIGS)
+    x = torch.randn(3, 100, 200, generator=gen).to(torch.float16).requires_grad_()
+    w = (0.1 * torch.randn(24, 200, generator=gen)).to(torch.float16).requires_grad_()
+    dy = torch.randn(3, 100, 24, generator=gen).to(torch.float16)
+    out = upcast_linear(x, w)
+    out.backward(dy)
+    assert triton_path == ["_forward_triton", "_dx_triton", "_dw_triton"], triton_path
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.linear(x64, w64)
+    ref.backward(dy.double())
+    assert out.dtype == x.grad.dtype == w.grad.dtype == torch.float16
+    for got, want in ((out, ref.detach()), (x.grad, x64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got, want.to(torch.float16), rtol=2.0**-10, atol=2.0**-14)
+
+
+@interpreter
 def test_triton_kernels_are_deterministic(gen, triton_path):
     x = torch.randn(300, 48, generator=gen).to(torch.float16).requires_grad_()  # 3 row splits of the weight grad
     w = (0.1 * torch.randn(16, 48, generator=gen)).requires_grad_()
@@ -231,7 +252,7 @@ def test_triton_kernels_are_deterministic(gen, triton_path):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(triton_on_cpu):
+def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_or_matching_half_weights(triton_on_cpu):
     x = torch.randn(4, 8).half()
     assert not module.triton_path(x, torch.randn(16, 8))  # CPU tensors: the reference, unless asked
     triton_on_cpu()
@@ -239,6 +260,8 @@ def test_triton_path_is_on_by_default_and_only_for_narrow_fp32_weights(triton_on
     assert not module.triton_path(x, torch.randn(16, 8), allow_triton=False)  # switched off
     assert not module.triton_path(x, torch.randn(65, 8))  # wider than a LoRA rank
     assert not module.triton_path(x.float(), torch.randn(16, 8))  # nothing to upcast
+    assert module.triton_path(x, torch.randn(16, 8).half()) == (HAS_TRITON and interpreting())  # autocast's copy
+    assert not module.triton_path(x, torch.randn(16, 8).bfloat16())  # a half weight of another dtype
 
 
 @pytest.mark.gpu

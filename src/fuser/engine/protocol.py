@@ -92,7 +92,11 @@ class CastTo(ArgExpr):
     dtype: torch.dtype
 
     def build(self, graph: torch.fx.Graph) -> Node:
-        return graph.call_method("to", (self.source, self.dtype))
+        call = graph.call_method("to", (self.source, self.dtype))
+        example = self.source.meta.get("example_value")
+        if isinstance(example, torch.Tensor):  # what refinements read of the operand (its dtype, its shape)
+            call.meta["example_value"] = example.to(self.dtype)
+        return call
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,13 @@ def triton_path(
     base_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
     allow_triton: bool = True,
 ) -> bool:
-    """The Triton kernels: fp32 adapter (≤ 64 rank) and input, a bf16/fp16 base, where Triton runs and
-    ``allow_triton``. The gradients' kernels read ``g`` (in ``base``'s place) in its own dtype, at fp32 accuracy:
-    half or fp32."""
+    """The Triton kernels: an adapter (≤ 64 rank) and input both fp32, or both of one half dtype (autocast's rounded
+    copies), a bf16/fp16 base, where Triton runs and ``allow_triton``. The gradients' kernels read ``g`` (in
+    ``base``'s place) in its own dtype, at fp32 accuracy: half or fp32."""
     return (
         U.triton_enabled(base, allow_triton)
-        and weight.dtype == torch.float32
-        and a.dtype == torch.float32
+        and weight.dtype == a.dtype
+        and a.dtype in (torch.float32, *HALF_DTYPES)
         and base.dtype in base_dtypes
         and 0 < weight.shape[1] <= U.TRITON_MAX_OUT
     )
@@ -71,10 +71,12 @@ def _graph_sum(
     base: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, scale: float, round_term: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     """The reference path: what peft's graph computes, op by op, the sum cast to ``dtype`` (``round_term``: its
-    bitsandbytes layers' order, the term rounded to the base's dtype and added in it)."""
+    bitsandbytes layers' order, the term rounded to the base's dtype and added in it). A half adapter (autocast's
+    rounded copy) is multiplied in fp32, as the kernels do: exact products, fp32 sums."""
+    term = F.linear(a.to(torch.float32), weight.to(torch.float32)) * scale
     if round_term:
-        return base + (F.linear(a, weight) * scale).to(base.dtype)
-    return (base + F.linear(a, weight) * scale).to(dtype)
+        return base + term.to(base.dtype)
+    return (base + term).to(dtype)
 
 
 @torch.library.custom_op("fuser::lora_sum", mutates_args=())
@@ -120,16 +122,19 @@ def lora_sum_grads(
     """(da in a's dtype, dB in B's dtype), each 0-element where not asked for; ``g`` is read in its own dtype
     (half, or fp32 where the consumer's backward kept it unrounded)."""
     if triton_path(g, a, weight, base_dtypes=FLOAT_DTYPES, allow_triton=allow_triton):
-        # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ
-        da = U._forward_triton(g, weight.t(), scale) if need_a else a.new_empty(0)
+        # s · (g @ B): the forward kernel's x @ Wᵀ with x = g, W = Bᵀ; fp32 sums, rounded once to a half ``a``
+        da = U._forward_triton(g, weight.t(), scale).to(a.dtype) if need_a else a.new_empty(0)
         # s · (aᵀ @ g)ᵀ: the weight-gradient kernel's dyᵀ @ x with dy = a, x = g
-        return da, U._dw_triton(a, g, scale, transposed=True) if need_w else weight.new_empty(0)
+        dw = U._dw_triton(a, g, scale, transposed=True).to(weight.dtype) if need_w else weight.new_empty(0)
+        return da, dw
     da, dw = a.new_empty(0), weight.new_empty(0)
-    d = g.to(weight.dtype) * scale  # eager: the cast's backward, then the product's
+    # eager: the cast's backward, then the product's; a half adapter's in fp32, as the kernels compute it
+    wide = weight.to(torch.float32)
+    d = g.to(wide.dtype) * scale
     if need_a:
-        da = (d @ weight).to(a.dtype)
+        da = (d @ wide).to(a.dtype)
     if need_w:
-        dw = d.reshape(-1, d.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(weight.dtype)
+        dw = (d.reshape(-1, d.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(wide.dtype)).to(weight.dtype)
     return da, dw
 
 

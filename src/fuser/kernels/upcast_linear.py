@@ -58,6 +58,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 if HAS_TRITON:
 
     @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr):
+        # a @ b with fp32 sums. Two operands of one half dtype (a LoRA sum of adapters autocast rounded) take the
+        # tensor cores' native dot: each product is exact, as under any PRECISION; otherwise both are fp32 at
+        # Triton's input_precision PRECISION
+        if a.dtype == b.dtype and a.dtype != tl.float32:
+            out = tl.dot(a, b)
+        else:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        return out
+
+    @triton.jit
     def upcast_linear_fwd_kernel(x_ptr, w_ptr, y_ptr, scale, n_rows, n_in, n_out, x_row_stride, w_stride_out,
                                  w_stride_in, k_per_split, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                  OUT_P: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
@@ -78,7 +89,7 @@ if HAS_TRITON:
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             w = tl.load(w_ptr + outs[None, :] * w_stride_out + ks[:, None] * w_stride_in,
                         mask=k_ok[:, None] & (outs[None, :] < n_out), other=0.0)  # fmt: skip
-            acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
+            acc += _dot(x, w, PRECISION)
         y_ptr += split.to(tl.int64) * n_rows * n_out
         tl.store(y_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :], acc * scale,
                  mask=row_ok[:, None] & (outs[None, :] < n_out))  # fmt: skip
@@ -107,7 +118,7 @@ if HAS_TRITON:
             row_ok = rows < n_rows
             dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * dy_row_stride + outs[None, :],
                          mask=row_ok[:, None] & out_ok[None, :], other=0.0)  # fmt: skip
-            dx = tl.dot(dy, w, input_precision=PRECISION)
+            dx = _dot(dy, w, PRECISION)
             offsets = rows[:, None].to(tl.int64) * n_in + cols[None, :]
             mask = row_ok[:, None] & col_ok[None, :]
             if HAS_BASE:
@@ -151,7 +162,7 @@ if HAS_TRITON:
                 if HAS_NW:
                     normed = normed * nw[None, :]
                 x = normed.to(x_ptr.dtype.element_ty)
-            acc += tl.dot(dy_t, x.to(tl.float32), input_precision=PRECISION)
+            acc += _dot(dy_t, x, PRECISION)
         tl.store(partial_ptr + split.to(tl.int64) * OUT_P * n_in + outs[:, None] * n_in + cols[None, :], acc * scale,
                  mask=out_ok[:, None] & col_ok[None, :])  # fmt: skip
 
@@ -162,10 +173,11 @@ def triton_enabled(x: torch.Tensor, allow_triton: bool = True) -> bool:
 
 
 def triton_path(x: torch.Tensor, weight: torch.Tensor, allow_triton: bool = True) -> bool:
-    """The Triton kernels: not switched off (``allow_triton=False``), a narrow fp32 weight, a half input."""
+    """The Triton kernels: not switched off (``allow_triton=False``), a half input, a narrow weight in fp32 or in the
+    input's dtype (an adapter autocast rounded: the dots take both operands in that dtype, the products exact)."""
     return (
         triton_enabled(x, allow_triton)
-        and weight.dtype == torch.float32
+        and weight.dtype in (torch.float32, x.dtype)
         and x.dtype in HALF_DTYPES
         and 0 < weight.shape[0] <= TRITON_MAX_OUT
         and weight.is_contiguous()
@@ -317,7 +329,7 @@ def _upcast_linear(
     _check(x, weight, bias)
     if triton_path(x, weight, allow_triton):
         y = _forward_triton(x, weight)
-        return y + bias if bias is not None else y
+        return (y + bias if bias is not None else y).to(weight.dtype)  # fp32 sums, rounded once for a half weight
     return F.linear(x.to(weight.dtype), weight, bias)
 
 
@@ -378,7 +390,7 @@ def _linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bo
 def _linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
     """``dyᵀ @ x`` in W's dtype."""
     if fast:
-        return _dw_triton(dy, x)
+        return _dw_triton(dy, x).to(weight.dtype)
     return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
 
 
@@ -469,13 +481,15 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
         x = gated_activation_forward(gate, up, activation, Lora(None, None, gate_scale, up_scale))[0]
         return _linear_dw(dy, x, weight, fast)
     dw = None
+    # the slices' sums added in fp32 and rounded once to a half weight's dtype (an adapter autocast rounded)
+    wide = weight.to(torch.float32)
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
-        part = _linear_dw(dy2[rows], x, weight, fast)
+        part = _linear_dw(dy2[rows].to(wide.dtype) if not fast else dy2[rows], x, wide, fast)
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
-    return dw
+    return dw.to(weight.dtype)
 
 
 @torch.library.custom_op(
@@ -586,7 +600,7 @@ def upcast_linear_normed_grads(dy, h, rstd, norm_weight, offset, weight, need_x,
     dw = weight.new_empty(0)
     if need_w:
         if fast:
-            dw = _dw_triton(dy, h, norm=(rstd, norm_weight, offset))
+            dw = _dw_triton(dy, h, norm=(rstd, norm_weight, offset)).to(weight.dtype)
         else:
             x = normed_reference(h, rstd, norm_weight, offset)
             dw = _linear_dw(dy, x, weight, fast)

@@ -29,6 +29,7 @@ from fuser.options import check_fields
 from fuser.patterns.base import (
     HALF_DTYPES,
     ArgExpr,
+    CastTo,
     Decline,
     NotApplicable,
     Pattern,
@@ -61,6 +62,12 @@ class LoraSumExperimental:
     bit for bit. Off: it lowers the peak only where those sums set it (long, checkpointed sequences), and costs a
     little speed."""
 
+    fp32_autocast_adapters: bool = False
+    """Under autocast, a LoRA sum computes its adapter's two matmuls from the fp32 adapter itself (``a`` in fp32,
+    ``tf32x3`` dots on the Triton path), as peft computes them without autocast: more precise than autocast, and
+    slower. Off: from the adapter rounded to autocast's dtype, as autocast computes them (its dtype's dots, fp32
+    sums, ``a`` rounded), the term and the sum rounded once where autocast rounds three times."""
+
     def __post_init__(self) -> None:
         check_fields(self, "experimental.lora_sum")
 
@@ -92,29 +99,33 @@ VARIANTS = [
 
 @dataclass(frozen=True)
 class UpcastLinearOf(ArgExpr):
-    """``fuser::upcast_linear(source, weight)``: lora_A's output in fp32, computed from the half input and the fp32
-    adapter as peft computes it without autocast (an autocast LoRA sum's ``a``)."""
+    """``fuser::upcast_linear(source, weight)``: an autocast LoRA sum's ``a``, lora_A's output computed from the half
+    input. ``weight`` is the fp32 adapter (``a`` in fp32, as peft computes it without autocast), or its copy
+    rounded to the input's dtype (a :class:`CastTo`: ``a`` as autocast computes it)."""
 
     source: torch.fx.Node
-    weight: torch.fx.Node
+    weight: torch.fx.Node | CastTo
     allow_triton: bool
 
     def build(self, graph: torch.fx.Graph) -> torch.fx.Node:
-        call = graph.call_function(torch.ops.fuser.upcast_linear.default, (self.source, self.weight, None),
+        weight = self.weight.build(graph) if isinstance(self.weight, ArgExpr) else self.weight
+        call = graph.call_function(torch.ops.fuser.upcast_linear.default, (self.source, weight, None),
                                    {"allow_triton": self.allow_triton})  # fmt: skip
-        x, w = tensor_meta(self.source), tensor_meta(self.weight)
-        call.meta["example_value"] = x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
+        x, w = tensor_meta(self.source), tensor_meta(weight)
+        call.meta["example_value"] = x.new_empty((*x.shape[:-1], w.shape[0]), dtype=w.dtype)
         copy_source_meta(self.source, call)
         return call
 
 
-def _autocast_adapter(found: Found) -> UpcastLinearOf:
-    """An autocast LoRA sum's ``a`` as the op takes it, fp32 (see :data:`_AUTOCAST_TERM`), or Decline.
+def _autocast_adapter(found: Found, fp32: bool) -> UpcastLinearOf:
+    """An autocast LoRA sum's ``a`` as the op takes it (see :data:`_AUTOCAST_TERM`), or Decline.
 
     Autocast computes ``lora_B(lora_A(x))`` from bf16 copies of ``x`` and of both fp32 adapters, rounding ``a``, the
-    product and the scaled term to bf16. The op computes them from the adapters themselves in fp32 and rounds the
-    sum once: the values of peft's graph without autocast, each rounding autocast makes made more precisely or not
-    at all; its gradients of the adapters are fp32 sums, where autocast's are bf16 matmuls cast to fp32."""
+    product and the scaled term to bf16 and adding the term to the base in bf16. By default the ops compute from
+    the same rounded copies of the adapters (their dots in bf16, sums in fp32, ``a`` rounded), the term and the sum
+    rounded once; each adapter's gradient is rounded to bf16 and cast to fp32, as autocast's is. ``fp32``
+    (``experimental.lora_sum.fp32_autocast_adapters``): from the fp32 adapters themselves, ``a`` unrounded: the
+    values of peft's graph without autocast, with fp32 gradient sums."""
     b = found.bindings
     x, wa, w, base = (tensor_meta(b[k]) for k in ("x", "wa", "w", "base"))
     linears = {canonical(n).args[1]: n for n in found.nodes if (c := canonical(n)) is not None and c.op == "linear"}
@@ -130,7 +141,7 @@ def _autocast_adapter(found: Found) -> UpcastLinearOf:
             f"the adapter's matmuls return {outs[0].dtype} and {outs[1].dtype}, not the base's {base.dtype} "
             "(an autocast dtype other than the base's)"
         )
-    return UpcastLinearOf(b["x"], b["wa"], True)
+    return UpcastLinearOf(b["x"], b["wa"] if fp32 else CastTo(b["wa"], x.dtype), True)
 
 
 def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Replacement:
@@ -149,17 +160,23 @@ def check_lora_sum(found: Found, variant: Variant, config: FuserConfig) -> Repla
         raise Decline(f"the sum of a {base.dtype} base is cast to {b['dtype']} (the op returns the base's half dtype)")
     if w.dim() != 2 or not isinstance(w.shape[1], int) or not 0 < w.shape[1] <= TRITON_MAX_OUT:
         raise Decline(f"weight {tuple(w.shape)}: not a LoRA B of rank ≤ {TRITON_MAX_OUT}")
+    if w.dtype != torch.float32:
+        raise Decline(f"adapter of dtype {w.dtype} (the op takes an fp32 adapter)")
     if variant.params.autocast:
-        adapter = dataclasses.replace(_autocast_adapter(found), allow_triton=config.experimental.upcast_linear.triton)
-        b = {**b, "a": adapter}
+        fp32 = config.experimental.lora_sum.fp32_autocast_adapters
+        adapter = dataclasses.replace(
+            _autocast_adapter(found, fp32), allow_triton=config.experimental.upcast_linear.triton
+        )
         x = tensor_meta(adapter.source)
-        a = x.new_empty((*x.shape[:-1], w.shape[1]), dtype=torch.float32)
+        dtype = torch.float32 if fp32 else x.dtype
+        a = x.new_empty((*x.shape[:-1], w.shape[1]), dtype=dtype)
+        b = {**b, "a": adapter, "w": b["w"] if fp32 else CastTo(b["w"], dtype)}
     else:
         a = tensor_meta(b["a"])
         if a is None:
             raise Decline("a value without shape or dtype metadata")
-    if a.dtype != torch.float32 or w.dtype != torch.float32:
-        raise Decline(f"adapter of dtype {w.dtype} fed {a.dtype} (the op takes an fp32 adapter and input)")
+        if a.dtype != torch.float32:
+            raise Decline(f"an fp32 adapter fed {a.dtype} (the op takes an fp32 input)")
     if scalar_hint(b["scale"]) is None:  # a symbolic scale (another lora_alpha, recompiled) is passed as it is
         raise Decline(f"the LoRA scaling `{b['scale'].name}` is computed from data at run time")
     expected = (*a.shape[:-1], w.shape[0])

@@ -57,9 +57,26 @@ def _groups(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     return [g for g in groups if len(g) > 1]
 
 
+def _graph_input(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+def _cast_of_graph_input(node: object) -> bool:
+    """``w.to(dtype)`` of a graph input ``w`` (an adapter rounded as autocast rounds it), and nothing else."""
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_method"
+        and node.target == "to"
+        and len(node.args) == 2
+        and not node.kwargs
+        and isinstance(node.args[1], torch.dtype)
+        and _graph_input(node.args[0])
+    )
+
+
 def _groupable(node: torch.fx.Node) -> bool:
-    """A plain ``fuser::upcast_linear(x, W, None)``: no bias, a 2-D fp32 weight of static rows (≤ 64) with its
-    metadata, defined before the call (a graph input: the weights can move up to the group's first call)."""
+    """A plain ``fuser::upcast_linear(x, W, None)``: no bias, a 2-D weight of static rows (≤ 64) with its metadata,
+    that can move up to the group's first call: a graph input, or a cast of one."""
     if node.op != "call_function" or node.target is not torch.ops.fuser.upcast_linear.default:
         return False
     if len(node.args) != 3 or node.args[2] is not None or set(node.kwargs) - {"allow_triton"}:
@@ -68,8 +85,8 @@ def _groupable(node: torch.fx.Node) -> bool:
     w = tensor_meta(weight)
     if w is None or example is None or w.dim() != 2 or not isinstance(w.shape[0], int):
         return False
-    graph_input = isinstance(weight, torch.fx.Node) and weight.op in ("placeholder", "get_attr")
-    return graph_input and w.shape[0] <= TRITON_MAX_OUT
+    movable = _graph_input(weight) or (_cast_of_graph_input(weight) and len(weight.users) == 1)
+    return movable and w.shape[0] <= TRITON_MAX_OUT
 
 
 def group_shared_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
@@ -80,8 +97,9 @@ def group_shared_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
         return 0
     by_input: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        if _groupable(node):
-            by_input.setdefault((node.args[0], tuple(sorted(node.kwargs.items()))), []).append(node)
+        if _groupable(node):  # one input, one weight dtype, the same options
+            key = (node.args[0], tensor_meta(node.args[1]).dtype, tuple(sorted(node.kwargs.items())))
+            by_input.setdefault(key, []).append(node)
     n = 0
     for nodes in by_input.values():
         for group in _groups(nodes):
@@ -93,6 +111,9 @@ def group_shared_inputs(graph: torch.fx.Graph, config: FuserConfig) -> int:
 def _merge(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
     first = group[0]
     weights = [node.args[1] for node in group]
+    for weight in weights:
+        if _cast_of_graph_input(weight):
+            first.prepend(weight)  # a later call's cast, made from a graph input: it can move up
     with graph.inserting_before(first):
         cat = graph.call_function(torch.cat, (weights, 0))
         merged = graph.call_function(torch.ops.fuser.upcast_linear.default, (first.args[0], cat, None),
