@@ -10,7 +10,9 @@ the cause: Dynamo gave up on the model's code (its recompile limit, as ``FuserBa
 the model was wrapped after ``optimize_``, e.g. by ``SFTTrainer(peft_config=...)`` (apply ``optimize_`` to
 ``trainer.model`` then); and it warns where Dynamo gave up on a function of the model's own source files in that step
 and ran it eagerly (nothing in it fused; a library's function, such as TRL's chunked loss, is not the model's). Its
-first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs.
+first log after compiling adds ``fuser/<pattern>`` counts to the Trainer's logs. At the first step it warns where
+the collator packs sequences into rows while the model's config has ``use_cache=True`` (transformers then lets each
+sequence attend to the ones packed before it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import DataCollatorWithFlattening, TrainerCallback
 
 from fuser import _compat, dynamo_backend
 from fuser.report import brief_dynamo_message
@@ -46,6 +48,7 @@ class FuserCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self._checked = False
+        self._checked_collator = False
         self._logged_counts = False
         self._handler: logging.Handler | None = None
         self._messages_before: dict[str, int] = {}
@@ -66,6 +69,32 @@ class FuserCallback(TrainerCallback):
                 stacklevel=2,
             )
             self._checked = True
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # at the first step: the trainer hands its dataloader to callbacks only after on_train_begin
+        if not self._checked_collator:
+            self._checked_collator = True
+            self._warn_if_packed_rows_attend_across(model, kwargs.get("train_dataloader"))
+
+    @staticmethod
+    def _warn_if_packed_rows_attend_across(model: Any, loader: Any) -> None:
+        """A collator that packs sequences into rows (``DataCollatorWithFlattening``, TRL's ``padding_free``) and a
+        model config with ``use_cache=True``: transformers reads packed ``position_ids`` as separate sequences only
+        where no cache is passed; with one (created from ``use_cache``) it builds one causal mask over the row, and
+        each sequence attends to those packed before it, compiled or not."""
+        collator = getattr(loader, "collate_fn", None)
+        for _ in range(4):  # the trainer's wrappers (RemoveColumnsCollator) keep the user's as ``data_collator``
+            collator = getattr(collator, "data_collator", collator)
+        packs = isinstance(collator, DataCollatorWithFlattening) or getattr(collator, "padding_free", False) is True
+        if packs and getattr(getattr(model, "config", None), "use_cache", False):
+            warnings.warn(
+                "fuser: the data collator packs several sequences into each row, and the model's config has "
+                "use_cache=True, so transformers masks each row as one sequence: every sequence attends to the "
+                "ones packed before it (with or without fuser). Set model.config.use_cache = False before "
+                "trainer.train().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self._checked:

@@ -326,6 +326,30 @@ def test_callback_warns_when_the_trainer_bypasses_fuser(tmp_path):
     assert any("not given to fuser.optimize_" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_callback_warns_when_packed_rows_would_attend_across_sequences(use_cache, tmp_path):
+    """DataCollatorWithFlattening packs the rows; with the config's use_cache=True transformers masks a packed row
+    as one sequence (checked here on the eager model), and the callback says so before the first step."""
+    model = tiny("llama")
+    model.config.use_cache = use_cache
+    rows = token_rows()[:2]
+    packed = transformers.DataCollatorWithFlattening()([{"input_ids": r} for r in rows])
+    with torch.no_grad():
+        second = model(**packed).logits[0, SEQ:]
+        alone = model(input_ids=torch.tensor([rows[1]])).logits[0]
+    assert torch.allclose(second, alone, atol=1e-5) != use_cache  # the cause the warning names
+    fuser.optimize_(model, OPTIONS)
+    # newer trainers set the config's use_cache from their own argument (default False) as training starts
+    extra = {"use_cache": use_cache} if "use_cache" in transformers.TrainingArguments.__dataclass_fields__ else {}
+    trainer = make_trainer("trainer", model, tmp_path / "packed", bf16=False, steps=1, **extra)
+    trainer.data_collator = transformers.DataCollatorWithFlattening()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    warned = [w for w in caught if "packs several sequences" in str(w.message)]
+    assert len(warned) == int(use_cache), [str(w.message) for w in caught]
+
+
 def test_callback_puts_fused_counts_into_the_logs(tmp_path):
     model = fuser.optimize_(tiny("llama"), OPTIONS)
     trainer = make_trainer("trainer", model, tmp_path / "logs", bf16=False, steps=2)
