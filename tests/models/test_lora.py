@@ -370,7 +370,7 @@ def _step(model: torch.nn.Module, compiled=None, autocast: bool = True):
     return out.loss.detach().double(), grads
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", AUTOCAST_ARCHS)
 def test_autocast_step_as_close_to_fp32_as_eager_autocast(arch):
     """The LoRA gradients summed over the model no further from an fp32 step than eager autocast's; each gradient
     within 2x eager's distance (one gradient's error is one draw of rounding noise: see ``tests/models/tiny.py``).
