@@ -276,6 +276,14 @@ def scenarios_for(dt: torch.dtype, ops: dict) -> dict:
             "lora_sum, fp32 out": lambda: ops["lora_sum_op"](x, x32, b32, 2.0, False, torch.float32),
             "lora_sum_wide (rounded and fp32 sums)": lambda: ops["lora_sum_wide_op"](x, x32, b32, 2.0),
         }
+        # an adapter autocast rounded to the half dtype: the dots take both operands in it (native half dots)
+        a16, b16, x16 = (v.to(dt) for v in (a32, b32, x32))
+        scenarios |= {
+            "upcast_linear, half adapter": lambda: ops["upcast_linear_op"](x, a16, None),
+            "upcast_linear grads, half adapter": lambda: ops["upcast_linear_grads"](x16, x, a16, True, True),
+            "lora_sum, half adapter": lambda: ops["lora_sum_op"](x, x16, b16, 2.0, False),
+            "lora_sum grads, half adapter": lambda: ops["lora_sum_grads"](x, x16, b16, 2.0, True, True),
+        }
     return scenarios
 
 
