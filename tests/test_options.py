@@ -367,7 +367,7 @@ def test_every_switch_is_a_typed_field_with_todays_default():
     assert experimental.gated_mlp == GatedMLPExperimental(backward_in_place=True, backward_writes_product=True)
     assert experimental.upcast_linear == UpcastLinearExperimental(triton=True, group_shared_inputs=True)
     assert experimental.lora_sum == LoraSumExperimental(
-        fp32_base=True, gated_in_slices=False, fp32_autocast_adapters=False
+        fp32_base=True, gated_in_slices=False, fp32_autocast_adapters=True
     )
     assert experimental.rms_norm == RmsNormExperimental(residual_add=True, gradient_sums=True)
     sections = [config.causal_attention, config.gated_mlp, config.upcast_linear, config.rms_norm_linear]
@@ -484,7 +484,7 @@ EVERY_SWITCH = [
     {"experimental.upcast_linear.triton": False},
     {"experimental.upcast_linear.group_shared_inputs": False},
     {"experimental.lora_sum.fp32_base": False},
-    {"experimental.lora_sum.fp32_autocast_adapters": True},
+    {"experimental.lora_sum.fp32_autocast_adapters": False},
     {"experimental.lora_sum.gated_in_slices": True},
     {"experimental.rms_norm.residual_add": False},
     {"experimental.rms_norm.gradient_sums": False},

@@ -62,11 +62,13 @@ class LoraSumExperimental:
     bit for bit. Off: it lowers the peak only where those sums set it (long, checkpointed sequences), and costs a
     little speed."""
 
-    fp32_autocast_adapters: bool = False
+    fp32_autocast_adapters: bool = True
     """Under autocast, a LoRA sum computes its adapter's two matmuls from the fp32 adapter itself (``a`` in fp32,
-    ``tf32x3`` dots on the Triton path), as peft computes them without autocast: more precise than autocast, and
-    slower. Off: from the adapter rounded to autocast's dtype, as autocast computes them (its dtype's dots, fp32
-    sums, ``a`` rounded), the term and the sum rounded once where autocast rounds three times."""
+    ``tf32x3`` dots on the Triton path), as peft computes them without autocast: more precise than autocast. Off:
+    from the adapter rounded to autocast's dtype, as autocast computes them (its dtype's dots, fp32 sums, ``a``
+    rounded), the term and the sum rounded once where autocast rounds three times; meant to be faster, but a
+    compiled Trainer step on a GPU failed with an illegal memory access that is not yet explained
+    (``docs/defaults.md``): kept off."""
 
     def __post_init__(self) -> None:
         check_fields(self, "experimental.lora_sum")
@@ -121,11 +123,12 @@ def _autocast_adapter(found: Found, fp32: bool) -> UpcastLinearOf:
     """An autocast LoRA sum's ``a`` as the op takes it (see :data:`_AUTOCAST_TERM`), or Decline.
 
     Autocast computes ``lora_B(lora_A(x))`` from bf16 copies of ``x`` and of both fp32 adapters, rounding ``a``, the
-    product and the scaled term to bf16 and adding the term to the base in bf16. By default the ops compute from
-    the same rounded copies of the adapters (their dots in bf16, sums in fp32, ``a`` rounded), the term and the sum
-    rounded once; each adapter's gradient is rounded to bf16 and cast to fp32, as autocast's is. ``fp32``
-    (``experimental.lora_sum.fp32_autocast_adapters``): from the fp32 adapters themselves, ``a`` unrounded: the
-    values of peft's graph without autocast, with fp32 gradient sums."""
+    product and the scaled term to bf16 and adding the term to the base in bf16. With ``fp32``
+    (``experimental.lora_sum.fp32_autocast_adapters``, the default) the ops compute from the fp32 adapters
+    themselves, ``a`` unrounded: the values of peft's graph without autocast, with fp32 gradient sums. Without it,
+    from the same rounded copies of the adapters autocast makes (their dots in bf16, sums in fp32, ``a`` rounded),
+    the term and the sum rounded once; each adapter's gradient is rounded to bf16 and cast to fp32, as autocast's
+    is."""
     b = found.bindings
     x, wa, w, base = (tensor_meta(b[k]) for k in ("x", "wa", "w", "base"))
     linears = {canonical(n).args[1]: n for n in found.nodes if (c := canonical(n)) is not None and c.op == "linear"}
