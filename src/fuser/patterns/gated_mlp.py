@@ -355,13 +355,14 @@ def _check(found: Found, variant: Variant, config: Any) -> Replacement:
     b = found.bindings
     if variant.params.unsupported is not None:
         raise Decline(variant.params.unsupported(b))
+    # first whether the match is this activation at all (relu2's power): the reason to give where it is not
+    activation = variant.params.activation
+    if BY_NAME[activation].check is not None:
+        BY_NAME[activation].check(b)
     out = tensor_meta(found.root)
     other = _non_projection_user(found.root)
     if other is not None:
         raise Decline(f"the product is also used by {other}, not only by a projection")
-    activation = variant.params.activation
-    if BY_NAME[activation].check is not None:
-        BY_NAME[activation].check(b)  # raises Decline for a match of its tree that is not this activation
     bases = ["gate_up"] if variant.params.packed else ["gate", "up"]
     tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
     if any(t.dtype not in FLOAT_DTYPES for t in tensors.values()):
