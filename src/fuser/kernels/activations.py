@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
 
 from fuser.engine.match import OneOf, Op, S, scalar_hint
-from fuser.engine.protocol import Decline
+from fuser.engine.protocol import Decline, NotApplicable
 from fuser.kernels._triton import HAS_TRITON, tl, triton
 
 # the constants of the formulas
@@ -152,6 +153,17 @@ def _gelu_quick_triton(g):
     return g * s, s * (1.0 + _QUICK_GELU_ALPHA_TL * g * (1.0 - s))
 
 
+def _sigmoid_reference(g):
+    s = torch.sigmoid(g)
+    return s, s * (1.0 - s)
+
+
+@_jit
+def _sigmoid_triton(g):
+    s = _sigmoid(g)
+    return s, s * (1.0 - s)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # How gated MLPs write them (matcher trees over the tree of g; see fuser.engine.match)
 # ---------------------------------------------------------------------------------------------------------
@@ -168,6 +180,24 @@ def _relu2_tree(g):  # BitNet's squared ReLU, as torch.square or pow
 def _relu2_check(b: dict[str, Any]) -> None:
     if scalar_hint(b["power"]) != 2:
         raise Decline(f"the gate's activation is relu(gate) to the power {b['power']}: {ONLY}")
+
+
+def _computed_from(value: Any, source: Any, depth: int = 4) -> bool:
+    """Whether graph value ``value`` is ``source`` or computed from it in at most ``depth`` ops."""
+    frontier = [value]
+    for _ in range(depth + 1):
+        if any(n is source for n in frontier):
+            return True
+        frontier = [i for n in frontier if isinstance(n, torch.fx.Node) for i in n.all_input_nodes]
+    return False
+
+
+def _glu_check(b: dict[str, Any]) -> None:
+    # σ(g)·g is silu, σ(1.702h)·h QuickGELU, GPT-OSS's gate·σ(α·gate) and a softcapped gate's factor a scaled
+    # sigmoid: an activation of one value, which swiglu, mlp_activation or a declined form takes, not a GLU of two
+    gate, up = b.get("gate"), b.get("up")  # the packed form's halves are never computed from each other
+    if gate is not None and up is not None and (_computed_from(gate, up) or _computed_from(up, gate)):
+        raise NotApplicable("sigmoid(gate) · up with one computed from the other is an activation of one value")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,6 +255,16 @@ TABLE: tuple[Activation, ...] = (
         "(QuickGELU: CLIP, some GPT-2 variants; un-gated MLPs only)",
         _gelu_quick_reference,
         _gelu_quick_triton,
+    ),
+    Activation(
+        "sigmoid",
+        "sigmoid(g) = σ(g);  sigmoid'(g) = s(1 − s), s = σ(g)   (GLU: Qwen3-Next's and Qwen3.5's gated attention, "
+        "``o_proj(attn_output * torch.sigmoid(gate))``)",
+        _sigmoid_reference,
+        _sigmoid_triton,
+        gate=lambda g: Op("sigmoid", g),
+        pattern="glu",
+        check=_glu_check,
     ),
 )
 
