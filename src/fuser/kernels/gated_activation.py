@@ -776,8 +776,9 @@ def gated_activation(
 ) -> torch.Tensor:
     """``act(gate + gate_scale·gate_lora) · (up + up_scale·up_lora)``, fused, with autograd.
 
-    ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``; the LoRA terms are optional. gate, up and the
-    LoRA terms share one shape and dtype; the maths runs in fp32 and the result has the inputs' dtype.
+    ``activation`` is a name of :data:`fuser.kernels.activations.ACTIVATIONS` (``"silu"``, ``"gelu_tanh"``,
+    ``"gelu"``, ...); the LoRA terms are optional. gate, up and the LoRA terms share one shape and dtype; the maths
+    runs in fp32 and the result has the inputs' dtype.
     """
     _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     return torch.ops.fuser.gated_activation(
