@@ -23,6 +23,7 @@ import triton
 from bench_common import bf16_buffers, buffers_beyond_l2, cycled_graph_ms
 
 from fuser.kernels import gated_activation as K
+from fuser.kernels.activations import ACTIVATION_CODE
 
 SHAPES = [(8192, 14336), (16384, 28672), (8192, 16384)]
 TILES = [(1, 1024, 4), (1, 1024, 8), (2, 1024, 8), (4, 1024, 8), (8, 1024, 16), (1, 2048, 8), (2, 2048, 16),
@@ -56,7 +57,7 @@ def tune_shape(activation, rows, cols):
     nbytes = rows * cols * 2
     count = buffers_beyond_l2(nbytes)
     gs, us, douts, outs, dgs, dus = (bf16_buffers(rows, cols, count) for _ in range(6))
-    codes = [K._ACTIVATION_CODE[activation]]
+    codes = [ACTIVATION_CODE[activation]]
     res = {"fwd": [], "bwd": []}
     for code, (bm, bn, warps) in itertools.product(codes, TILES):
         grid = (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),)
@@ -98,7 +99,7 @@ def main() -> None:
             continue
         res = tune_shape(activation, rows, cols)
         bm, bn, warps = K._launch_config(cols)
-        default = (K._ACTIVATION_CODE[activation], bm, bn, warps)
+        default = (ACTIVATION_CODE[activation], bm, bn, warps)
         f_def, b_def = dict(res["fwd"]).get(default, float("nan")), dict(res["bwd"]).get(default, float("nan"))
         f_best, b_best = min(res["fwd"], key=lambda r: r[1]), min(res["bwd"], key=lambda r: r[1])
         lines.append(

@@ -169,7 +169,7 @@ def test_refinements_run_in_registration_order_and_after_what_they_declare():
     shipped = [p for p in PATTERNS.values() if p.check.__module__.startswith("fuser.patterns.")]
     order = [p.name for p in refinement_order(shipped)]
     assert order == [p.name for p in shipped if p.after_apply is not None]
-    assert order == ["rms_norm_linear", "rms_norm", "swiglu", "geglu", "reglu", "upcast_linear", "lora_sum"]
+    assert order == ["rms_norm_linear", "rms_norm", "swiglu", "geglu", "reglu", "glu", "upcast_linear", "lora_sum"]
     for pattern in shipped:
         if pattern.after_apply is not None:
             assert isinstance(pattern.after_apply, Refinement), pattern.name

@@ -15,12 +15,20 @@ cannot run on fake CUDA tensors, so the backward ops are called directly. Run as
 scenario whose wrapper failed after (or before) its launches: some torch ops on fake CUDA tensors need a CUDA
 device guard that a CPU-only torch lacks. ``tests/kernels/test_sm90_compile.py`` runs it and checks that every
 kernel of ``src/fuser/kernels`` was compiled, in bf16 among others.
+
+The kernels that dispatch on an activation code are also compiled as Inductor launches them for an inlined op
+(``FuserConfig.inline_ops``): from the source Inductor rebuilds out of the functions the kernel's code names
+(``user_defined_triton_kernel_transitive_closure_source_code``), imported from a file of its own, once per
+activation of the table, with the constexprs of a launch above (results ``inductor source: ...``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -41,6 +49,7 @@ import fuser.kernels.lora_sum as LS
 import fuser.kernels.rms_norm as R
 import fuser.kernels.rope as P
 import fuser.kernels.upcast_linear as U
+from fuser.kernels.activations import ACTIVATIONS
 
 H200_SMS = 132
 NO_STREAMS = False  # lm_head+CE's ``streams``: a CPU-only torch has no CUDA streams
@@ -50,6 +59,9 @@ DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
           torch.int32: "i32", torch.int8: "i8", torch.bool: "i1", torch.uint8: "u8"}  # fmt: skip
 results: dict[str, str] = {}
 FP64_SCALARS = "fp64 scalars: "  # results of fp64_arithmetic, one per kernel with float arguments
+INDUCTOR_SOURCE = "inductor source: "  # results of compile_as_inductor_rebuilds, one per kernel and activation
+# the kernels taking an ACTIVATION code, each with the first launch's (signature, constexprs, attrs, options)
+ACTIVATION_KERNELS: dict[str, tuple] = {}
 
 
 def _specialize(param, value) -> tuple[str, str]:
@@ -98,6 +110,8 @@ def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
             results[key] = "ok" if shared <= H200_SHARED_PER_BLOCK else f"OutOfResources: {shared} B shared memory"
         except Exception as error:  # noqa: BLE001 - every failure is a result
             results[key] = f"{type(error).__name__}: {str(error)[:400]}"
+    if "ACTIVATION" in constexprs:
+        ACTIVATION_KERNELS.setdefault(self.fn.__name__, (self, signature, constexprs, attrs, options))
     floats = [param.name for param in self.params if isinstance(bound.arguments[param.name], float)
               and signature[param.name] != "constexpr"]  # fmt: skip
     fp64_key = f"{FP64_SCALARS}{self.fn.__name__}"
@@ -119,6 +133,44 @@ def fp64_arithmetic(kernel, signature, constexprs, attrs, options, floats) -> st
     body = [line.strip() for line in ttir.splitlines() if "f64" in line and not line.lstrip().startswith("#loc")]
     wide = [line for line in body if not line.startswith("tt.func") and "arith.truncf" not in line]
     return "ok" if not wide else f"fp64 arithmetic: {wide[0][:300]}"
+
+
+def compile_as_inductor_rebuilds() -> None:
+    """Each kernel of ``ACTIVATION_KERNELS`` from the source Inductor writes for it, for every activation code."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, launch in sorted(ACTIVATION_KERNELS.items()):
+            rebuilt, failure = None, ""
+            try:
+                rebuilt = rebuild_as_inductor(launch[0], Path(folder))
+            except Exception as error:  # noqa: BLE001 - every failure is a result
+                failure = f"{type(error).__name__}: {str(error)[:400]}"
+            for code, activation in enumerate(ACTIVATIONS):
+                key = f"{INDUCTOR_SOURCE}{name}({activation})"
+                results[key] = failure if rebuilt is None else compile_activation(rebuilt, code, *launch[1:])
+
+
+def rebuild_as_inductor(kernel: JITFunction, folder: Path) -> JITFunction:
+    """``kernel`` from the source Inductor's wrapper writes for it, imported from a file, as Inductor's generated
+    module imports it: Triton imported, the kernel's decorator written by the wrapper."""
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    name = kernel.fn.__name__
+    source = "import triton\nimport triton.language as tl\n\n@triton.jit\n"
+    path = folder / f"{name}.py"
+    path.write_text(source + user_defined_triton_kernel_transitive_closure_source_code(kernel))
+    spec = importlib.util.spec_from_file_location(f"inductor_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def compile_activation(kernel, code, signature, constexprs, attrs, options) -> str:
+    try:
+        ast = ASTSource(fn=kernel, signature=signature, constexprs={**constexprs, "ACTIVATION": code}, attrs=attrs)
+        triton.compile(ast, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as error:  # noqa: BLE001 - every failure is a result
+        return f"{type(error).__name__}: {str(error)[:400]}"
+    return "ok"
 
 
 def _aten_getitem(t: torch.Tensor, index):
@@ -316,6 +368,7 @@ def main() -> None:
                 except Exception as error:  # noqa: BLE001 - a wrapper that cannot run on fake tensors is a result
                     results[f"scenario {name} {dt}"] = f"{type(error).__name__}: {str(error)[:400]}"
     torch.Tensor.__getitem__ = getitem
+    compile_as_inductor_rebuilds()
     json.dump(results, sys.stdout)
     print()
 

@@ -2,8 +2,8 @@
 
 Oracle: the reference formulas (``gated_activation_forward/backward(..., impl="reference")``) evaluated on fp64
 copies of the inputs; the hand-written reference backward is itself checked against fp64 autograd of the activation
-written the way models write it (``F.silu(g) * u``, ``F.gelu(g, approximate="tanh") * u``, ``F.gelu(g) * u``, and under
-PEFT's LoRA ``act(gate + lora_g * s) * (up + lora_u * s)``).
+written the way models write it (``F.silu(g) * u``, ``F.gelu(g, approximate="tanh") * u``, ``F.gelu(g) * u``,
+``torch.sigmoid(g) * u``, and under PEFT's LoRA ``act(gate + lora_g * s) * (up + lora_u * s)``).
 
 Error measure: ``rel_err(a, b) = ‖a − b‖ / ‖b‖`` over the whole tensor, computed in fp64. Tolerances:
 
@@ -106,13 +106,14 @@ interpreter = pytest.mark.skipif(
     not (HAS_TRITON and interpreting()), reason="needs Triton with TRITON_INTERPRET=1 (set by conftest without a GPU)"
 )
 
-ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]
+ACTIVATIONS = ["silu", "gelu_tanh", "gelu", "sigmoid"]
 
 # How models write each activation (the plain-torch oracle for autograd)
 MODEL_ACTIVATION = {
     "silu": F.silu,  # Llama, Mistral, Qwen: ACT2FN["silu"]
     "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),  # Gemma: ACT2FN["gelu_pytorch_tanh"]
     "gelu": F.gelu,  # exact GELU: ACT2FN["gelu"]
+    "sigmoid": torch.sigmoid,  # GLU: Qwen3-Next's gated attention, attn_output * torch.sigmoid(gate)
 }
 
 # LoRA variants: (gate LoRA scale, up LoRA scale); None = no LoRA term on that side
@@ -629,7 +630,7 @@ def test_op_autograd_matches_fp64_model(call, activation, lora, gen, reference_p
     check_op_autograd(call, activation, lora, (3, 7, 65), gen)
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])  # the activations of swiglu() and geglu()
 def test_swiglu_geglu_autograd(activation, gen, reference_path):
     check_op_autograd(_call_named, activation, "no_lora", (2, 5, 33), gen)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import fuser
 import fuser.kernels.linear_gated  # noqa: F401  (registers the ops)
 import fuser.kernels.lora_sum as lora_sum_kernels
-from fuser.patterns.gated_mlp import GEGLU, REGLU, SWIGLU
+from fuser.patterns.gated_mlp import GATED, SWIGLU
 from tests.models.harness import assert_equals_eager, post_grad_step, refined, train_step
 from tests.models.inductor_steps import MODELS, XDIST_GROUP, inductor_step, isolated_compile
 from tests.models.tiny import ARCHS as TINY_ARCHS
@@ -657,9 +657,9 @@ def _failing_plan(graph):
 
 
 def _fail_every_plan(monkeypatch):
-    """The gated MLP's post-grad passes (swiglu's, geglu's and reglu's, the same) with an analysis that raises."""
+    """The gated MLP's post-grad passes (every gated pattern's, the same) with an analysis that raises."""
     failing = tuple(dataclasses.replace(one, plan=_failing_plan) for one in SWIGLU.post_grad)
-    for pattern in (SWIGLU, GEGLU, REGLU):
+    for pattern in GATED.values():
         monkeypatch.setattr(pattern, "post_grad", failing)
 
 

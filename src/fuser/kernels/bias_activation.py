@@ -3,9 +3,9 @@
     h   = x + bias                  (fp32; bias optional, ``[n_cols]``)
     out = act(h)                    (rounded once, to ``out_dtype``)
 
-with ``act`` one of the gated op's activations (``fuser.kernels.gated_activation``: ``gelu`` exact, ``gelu_tanh``
-(also GPT-2's ``gelu_new`` formula), ``gelu_quick`` (``x·σ(1.702·x)``), ``relu``, ``relu2`` (squared ReLU),
-``silu``), evaluated by the same Triton function. Backward, recomputing act from the saved pre-activation:
+with ``act`` one of the gated op's activations (:data:`fuser.kernels.activations.TABLE`: ``gelu`` exact,
+``gelu_tanh`` (also GPT-2's ``gelu_new`` formula), ``gelu_quick`` (``x·σ(1.702·x)``), ``relu``, ``relu2`` (squared
+ReLU), ``silu``, ...), evaluated by the same Triton function. Backward, recomputing act from the saved pre-activation:
 
     dx    = dout · act'(x + bias)
     dbias = Σ_rows dx               (per-program partial sums, reduced in a second step: deterministic)
@@ -22,12 +22,11 @@ import torch
 
 from fuser.kernels import _triton as tt
 from fuser.kernels._triton import HAS_TRITON, tl, triton
-from fuser.kernels.gated_activation import _ACTIVATION_CODE, ACTIVATIONS, _reference_activation_and_grad
+from fuser.kernels.activations import ACTIVATION_CODE, check_activation, reference_activation_and_grad
 
 
 def _check(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
-    if activation not in _ACTIVATION_CODE:
-        raise ValueError(f"fuser: bias_activation expects an activation of {ACTIVATIONS}, got {activation!r}")
+    check_activation("bias_activation", activation)
     tt.check_floating("bias_activation", x=x, bias=bias)
     if x.dim() == 0:
         raise ValueError("fuser: bias_activation expects a tensor of at least one dim, got a scalar")
@@ -48,13 +47,13 @@ def _pre_activation(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _reference_forward(x, bias, activation, out_dtype) -> torch.Tensor:
-    act, _ = _reference_activation_and_grad(_pre_activation(x, bias), activation)
+    act, _ = reference_activation_and_grad(_pre_activation(x, bias), activation)
     return act.to(out_dtype)
 
 
 def _reference_backward(dout, x, bias, activation, compute_dbias) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx in x's dtype, dbias in fp32 (fp64 for fp64 inputs) or None): the hand-written backward."""
-    _, dact = _reference_activation_and_grad(_pre_activation(x, bias), activation)
+    _, dact = reference_activation_and_grad(_pre_activation(x, bias), activation)
     dh = dout.to(dact.dtype) * dact
     dbias = dh.reshape(-1, x.shape[-1]).sum(0) if compute_dbias else None
     return dh.to(x.dtype), dbias
@@ -65,7 +64,7 @@ def _reference_backward(dout, x, bias, activation, compute_dbias) -> tuple[torch
 # ---------------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from fuser.kernels.gated_activation import _activation_and_grad
+    from fuser.kernels.activations import _activation_and_grad
 
     @triton.jit
     def bias_act_fwd_kernel(
@@ -163,7 +162,7 @@ def _launch_forward(x, bias, out, activation) -> None:
         out2.stride(0),
         n_rows,
         n_cols,
-        ACTIVATION=_ACTIVATION_CODE[activation],
+        ACTIVATION=ACTIVATION_CODE[activation],
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -198,7 +197,7 @@ def _launch_backward(dout, x, bias, dx, activation, compute_dbias) -> torch.Tens
             n_cols,
             n_row_groups,
             tt.cdiv(row_tiles, n_row_groups),
-            ACTIVATION=_ACTIVATION_CODE[activation],
+            ACTIVATION=ACTIVATION_CODE[activation],
             HAS_BIAS=bias is not None,
             COMPUTE_DB=compute_dbias,
             BLOCK_M=block_m,

@@ -4,26 +4,13 @@
     u   = up + up_scale · up_lora              (likewise)
     out = act(g) · u
 
-with, all in fp32 (fp64 for fp64 inputs) whatever the input dtype,
-
-    silu(g)      = g · σ(g)
-    gelu_tanh(g) = g · σ(2k(g + c·g³)),   k = √(2/π), c = 0.044715   (= ½g(1 + tanh(k(g + c·g³))),
-                                                                     ``F.gelu(approximate="tanh")``)
-    gelu(g)      = g · Φ(g) = ½g(1 + erf(g/√2))                      (``F.gelu(approximate="none")``)
-    relu(g)      = max(g, 0)                                         (ReGLU)
-    relu2(g)     = max(g, 0)²                                        (squared ReLU: Primer, BitNet, Arcee)
-    gelu_quick(g) = g · σ(1.702g)                                    (QuickGELU: CLIP, some GPT-2 variants)
+with act one of the activations of :data:`fuser.kernels.activations.TABLE` (each formula stated there), computed
+in fp32 (fp64 for fp64 inputs) whatever the input dtype.
 
 Backward, recomputing act from the saved g:
 
     dgate      = dout · u · act'(g)          dup      = dout · act(g)
     dgate_lora = gate_scale · dgate          dup_lora = up_scale · dup
-
-    silu'(g)      = s(1 + g(1 − s)),                  s = σ(g)
-    gelu_tanh'(g) = s(1 + 2g(1 − s)·k(1 + 3c·g²)),    s = σ(2k(g + c·g³))
-    gelu'(g)      = Φ(g) + g·φ(g),                    φ(g) = exp(−g²/2)/√(2π)
-    relu'(g)      = 1 where g > 0, else 0             relu2'(g) = 2·max(g, 0)
-    gelu_quick'(g) = s(1 + 1.702·g(1 − s)),           s = σ(1.702g)
 
 Forward saves g and u: the inputs themselves without LoRA, otherwise the sums the forward wrote anyway (eager
 would keep g, act(g) and u). The sums are rounded to the input dtype before act, as eager's ``base + lora * s``
@@ -40,7 +27,6 @@ slower whatever the tile shape (``docs/notes/kernels.md``, gated activation).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,16 +34,7 @@ import torch
 from fuser._dtypes import FLOAT_DTYPES
 from fuser.kernels import _triton as tt
 from fuser.kernels._triton import HAS_TRITON, tl, triton
-
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "relu2", "gelu_quick")
-_ACTIVATION_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
-
-# the constants of the module docstring's formulas
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # k
-_GELU_TANH_C = 0.044715  # c
-_SQRT_HALF = math.sqrt(0.5)  # 1/√2
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)  # φ(0)
-_QUICK_GELU_ALPHA = 1.702  # QuickGELU's scale of the sigmoid's argument
+from fuser.kernels.activations import ACTIVATION_CODE, check_activation, reference_activation_and_grad
 
 
 @dataclass(frozen=True)
@@ -89,8 +66,7 @@ BASE_GRADS: Wanted = (True, True, False, False)
 
 
 def _check_activation(activation: str) -> None:
-    if activation not in _ACTIVATION_CODE:
-        raise ValueError(f"fuser: gated_activation expects an activation of {ACTIVATIONS}, got {activation!r}")
+    check_activation("gated_activation", activation)
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor, lora: Lora, activation: str) -> None:
@@ -133,28 +109,6 @@ def _check_packed(gate_up: torch.Tensor, gate_up_lora: torch.Tensor | None, acti
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _reference_activation_and_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(g), act'(g)) by the module docstring's formulas, in g's (compute) dtype."""
-    if activation == "silu":
-        s = torch.sigmoid(g)
-        return g * s, s * (1.0 + g * (1.0 - s))
-    if activation == "gelu_tanh":
-        s = torch.sigmoid(2.0 * _SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g))
-        dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * g * g)
-        return g * s, s * (1.0 + 2.0 * g * (1.0 - s) * dz)
-    if activation == "relu":
-        return torch.relu(g), (g > 0).to(g.dtype)
-    if activation == "relu2":
-        r = torch.relu(g)
-        return r * r, 2.0 * r
-    if activation == "gelu_quick":
-        s = torch.sigmoid(_QUICK_GELU_ALPHA * g)
-        return g * s, s * (1.0 + _QUICK_GELU_ALPHA * g * (1.0 - s))
-    _check_activation(activation)
-    cdf = 0.5 * (1.0 + torch.erf(g * _SQRT_HALF))
-    return g * cdf, cdf + g * (torch.exp(-0.5 * g * g) * _INV_SQRT_2PI)
-
-
 def _reference_wide(base: torch.Tensor, lora: torch.Tensor | None, scale: float, compute: torch.dtype):
     """base + scale · lora in the compute dtype, not rounded (base alone without a LoRA term)."""
     if lora is None:
@@ -172,7 +126,7 @@ def _reference_forward(
     # otherwise vanish); the rounded sums are what backward saves
     g_wide = _reference_wide(gate, lora.gate_lora, lora.gate_scale, compute)
     u_wide = _reference_wide(up, lora.up_lora, lora.up_scale, compute)
-    act, _ = _reference_activation_and_grad(g_wide, activation)
+    act, _ = reference_activation_and_grad(g_wide, activation)
     out = (act * u_wide).to(gate.dtype)
     g = None if lora.gate_lora is None else g_wide.to(gate.dtype)
     return out, g, None if lora.up_lora is None else u_wide.to(up.dtype)
@@ -187,7 +141,7 @@ def _reference_backward(
     compute_dgate, compute_dup, compute_dgate_lora, compute_dup_lora = wanted
     compute = tt.compute_dtype(g)
     gc, uc, dc = g.to(compute), u.to(compute), dout.to(compute)
-    act, dact = _reference_activation_and_grad(gc, activation)
+    act, dact = reference_activation_and_grad(gc, activation)
     dgate = dup = dgate_lora = dup_lora = None
     if compute_dgate or compute_dgate_lora:
         dg = dc * uc * dact
@@ -214,16 +168,7 @@ def _halves(gate_up: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Te
 # ---------------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    # the same constants for the kernels: jit'ed code reads only tl.constexpr globals
-    _SQRT_2_OVER_PI_TL = tl.constexpr(_SQRT_2_OVER_PI)
-    _GELU_TANH_C_TL = tl.constexpr(_GELU_TANH_C)
-    _SQRT_HALF_TL = tl.constexpr(_SQRT_HALF)
-    _INV_SQRT_2PI_TL = tl.constexpr(_INV_SQRT_2PI)
-    _QUICK_GELU_ALPHA_TL = tl.constexpr(_QUICK_GELU_ALPHA)
-
-    @triton.jit
-    def _sigmoid(x):
-        return 1.0 / (1.0 + tl.exp(-x))
+    from fuser.kernels.activations import _activation_and_grad
 
     @triton.jit
     def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -235,34 +180,6 @@ if HAS_TRITON:
         cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_M, BLOCK_N]
         return rows[:, None], cols[None, :], mask
-
-    @triton.jit
-    def _activation_and_grad(g, ACTIVATION: tl.constexpr):
-        # (act(g), act'(g)) in fp32; the compiler drops whichever of the two a kernel does not use
-        if ACTIVATION == 0:  # silu
-            s = _sigmoid(g)
-            act = g * s
-            dact = s * (1.0 + g * (1.0 - s))
-        elif ACTIVATION == 1:  # gelu_tanh, via 1 + tanh(z) = 2σ(2z): the interpreter has no libdevice.tanh
-            s = _sigmoid(2.0 * _SQRT_2_OVER_PI_TL * (g + _GELU_TANH_C_TL * g * g * g))
-            act = g * s
-            dact = s * (1.0 + 2.0 * g * (1.0 - s) * (_SQRT_2_OVER_PI_TL * (1.0 + 3.0 * _GELU_TANH_C_TL * g * g)))
-        elif ACTIVATION == 2:  # gelu (erf)
-            cdf = 0.5 * (1.0 + tl.erf(g * _SQRT_HALF_TL))
-            act = g * cdf
-            dact = cdf + g * (tl.exp(-0.5 * g * g) * _INV_SQRT_2PI_TL)
-        elif ACTIVATION == 3:  # relu; a NaN stays NaN, as torch.relu keeps it
-            act = tl.where(g < 0.0, 0.0, g)
-            dact = tl.where(g > 0.0, 1.0, 0.0)
-        elif ACTIVATION == 4:  # relu2
-            r = tl.where(g < 0.0, 0.0, g)
-            act = r * r
-            dact = 2.0 * r
-        else:  # gelu_quick
-            s = _sigmoid(_QUICK_GELU_ALPHA_TL * g)
-            act = g * s
-            dact = s * (1.0 + _QUICK_GELU_ALPHA_TL * g * (1.0 - s))
-        return act, dact
 
     @triton.jit
     def gated_act_fwd_kernel(
@@ -421,7 +338,7 @@ def _launch_forward(gate2, up2, gate_lora2, up_lora2, out2, gate_sum2, up_sum2, 
         n_cols,
         float(gate_scale),
         float(up_scale),
-        ACTIVATION=_ACTIVATION_CODE[activation],
+        ACTIVATION=ACTIVATION_CODE[activation],
         HAS_GATE_LORA=gate_lora2 is not None,
         HAS_UP_LORA=up_lora2 is not None,
         **tiles,
@@ -458,7 +375,7 @@ def _launch_backward(
         n_cols,
         float(gate_scale),
         float(up_scale),
-        ACTIVATION=_ACTIVATION_CODE[activation],
+        ACTIVATION=ACTIVATION_CODE[activation],
         NEED_DG=dgate2 is not None or dgate_lora2 is not None,
         NEED_DU=dup2 is not None or dup_lora2 is not None,
         WRITE_DGATE=dgate2 is not None,
@@ -859,8 +776,9 @@ def gated_activation(
 ) -> torch.Tensor:
     """``act(gate + gate_scale·gate_lora) · (up + up_scale·up_lora)``, fused, with autograd.
 
-    ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``; the LoRA terms are optional. gate, up and the
-    LoRA terms share one shape and dtype; the maths runs in fp32 and the result has the inputs' dtype.
+    ``activation`` is a name of :data:`fuser.kernels.activations.ACTIVATIONS` (``"silu"``, ``"gelu_tanh"``,
+    ``"gelu"``, ...); the LoRA terms are optional. gate, up and the LoRA terms share one shape and dtype; the maths
+    runs in fp32 and the result has the inputs' dtype.
     """
     _check_inputs(gate, up, Lora(gate_lora, up_lora), activation)
     return torch.ops.fuser.gated_activation(

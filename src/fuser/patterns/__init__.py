@@ -5,7 +5,7 @@ from __future__ import annotations
 from fuser.engine.protocol import PATTERNS, register_pattern
 from fuser.patterns.base import Decline, NotApplicable, Pattern, Replacement, Variant
 from fuser.patterns.causal_attention import CAUSAL_ATTENTION
-from fuser.patterns.gated_mlp import GEGLU, REGLU, SWIGLU
+from fuser.patterns.gated_mlp import GATED
 from fuser.patterns.layer_norm import LAYER_NORM
 from fuser.patterns.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from fuser.patterns.lora_sum import LORA_SUM
@@ -18,7 +18,7 @@ from fuser.patterns.upcast_linear import UPCAST_LINEAR
 # before RMSNorm, whose no-weight form its centred value would match; a norm that feeds only projections is
 # rms_norm_linear's, any other rms_norm's; a gated product before an un-gated activation)
 _NORMS = (LAYER_NORM, RMS_NORM_LINEAR, RMS_NORM)
-_MLPS = (SWIGLU, GEGLU, REGLU, MLP_ACTIVATION)
+_MLPS = (*GATED.values(), MLP_ACTIVATION)
 for _pattern in (*_NORMS, ROPE, *_MLPS, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION, UPCAST_LINEAR, LORA_SUM):
     register_pattern(_pattern)
 

@@ -9,7 +9,12 @@
     Gemma (GeGLU)        F.gelu(g, approximate="tanh") * u           also exact GELU
     ReGLU, BitNet        F.relu(g) * u, relu(g)² * u                 ReLU and squared-ReLU gates (``reglu``)
 
-Declared in order to decline them, saying why (the fused op computes silu or gelu of the raw gate times the raw up):
+One pattern per ``pattern`` of the activation table (:data:`fuser.kernels.activations.TABLE`), with two variants
+(packed and separate) per activation of it, from the activation's tree: adding an activation to the table adds its
+variants, and its pattern where it names a new one.
+
+Declared in order to decline them, saying why (the fused op computes the table's activation of the raw gate times
+the raw up):
 
     GPT-OSS, MiniMax-M3  gate * sigmoid(alpha * gate) * (up + 1), gate and up clamped: a scaled sigmoid, not silu
     Inkling-2            tanh(gate / c) * c * sigmoid(gate) * softcap(up): a softcapped gate factor
@@ -21,7 +26,7 @@ anywhere else, or the product feeds anything but a projection. A custom ``torch.
 projection when its forward multiplies the product by a matrix: under QLoRA the down projection is bitsandbytes'
 ``MatMul4Bit``, which Dynamo records as an ``autograd_function_apply`` call.
 
-Two refinements after the rewrite, for swiglu, geglu and reglu: a trainable down projection fed the fused product
+Two refinements after the rewrite, for every gated pattern: a trainable down projection fed the fused product
 recomputes it for its weight gradient (``fuser::linear_gated``, :mod:`fuser.refinements.gated_down_projection`)
 instead of saving it (:class:`GatedMLPConfig`, ``FuserConfig.gated_mlp``, ``options={"gated_mlp": {...}}``), and
 Inductor's post-grad graphs write the gated backward's gradients over its inputs where nobody can observe it
@@ -41,9 +46,10 @@ import torch
 import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.gated_activation*)
 from fuser._compat import statically_equal
 from fuser.engine.canonical import canonical, code_at, tensor_meta, value_readers
-from fuser.engine.match import C, Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
+from fuser.engine.match import Found, OneOf, Op, OptCast, S, V, match_tree, scalar_arg, scalar_hint
 from fuser.inductor.gated_down_grads import PASS as DOWN_GRADS_PASS
 from fuser.inductor.gated_mlp_inplace import PASSES as IN_PLACE_PASSES
+from fuser.kernels.activations import BY_NAME, GATED_PATTERNS, ONLY, TABLE, Activation
 from fuser.options import check_fields
 from fuser.patterns.base import FLOAT_DTYPES, Decline, Pattern, Replacement, Variant
 from fuser.refinements.gated_down_projection import DOWN_WEIGHT
@@ -54,8 +60,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GatedMLPConfig:
-    """What the gated MLP's fused op (``swiglu``, ``geglu`` and ``reglu`` alike) does beyond the forward it
-    replaces."""
+    """What the gated MLP's fused op (every gated pattern's alike: ``swiglu``, ``geglu``, ``reglu``, ...) does
+    beyond the forward it replaces."""
 
     recompute_for_down_weight: bool = True
     """A trainable down projection fed the fused product becomes ``fuser::linear_gated``, whose backward recomputes
@@ -98,32 +104,23 @@ def _half(index: int) -> Op:
 @dataclass(frozen=True)
 class GatedForm:
     packed: bool  # gate and up are the halves of one projection's output, taken by the packed op
+    activation: str | None = None  # the table's activation the tree matches (None: a declined form)
     # a gated product the fused op does not compute: says why, in words, from the match's bindings (declined)
     unsupported: Callable[[dict[str, Any]], str] | None = None
 
 
-def _variants(activation) -> list[Variant]:
+def _variants(activation: Activation) -> list[Variant]:
+    act, name = activation.gate, activation.name
     return [
         # Phi-3, GLM, every transformers-5 MoE: gate and up are the halves of one projection
-        Variant("packed", Op("mul", activation(_half(0)), _half(1)), GatedForm(packed=True)),
+        Variant("packed", Op("mul", act(_half(0)), _half(1)), GatedForm(packed=True, activation=name)),
         # Llama and most: separate gate and up projections
-        Variant("separate", Op("mul", activation(_maybe_lora("gate")), _maybe_lora("up")), GatedForm(packed=False)),
+        Variant(
+            "separate",
+            Op("mul", act(_maybe_lora("gate")), _maybe_lora("up")),
+            GatedForm(packed=False, activation=name),
+        ),
     ]
-
-
-def _silu(g):
-    return OneOf(Op("silu", g), Op("mul", g, Op("sigmoid", g)))
-
-
-def _gelu(g):
-    return Op("gelu", g, C("approximate"))
-
-
-def _relu(g):  # ReGLU, and BitNet's squared ReLU (torch.square or pow)
-    return OneOf(Op("pow", Op("relu", g), S("power")), Op("relu", g))
-
-
-_GELU_MODES = {"tanh": "gelu_tanh", "none": "gelu"}
 
 
 def _number(value: Any) -> str:
@@ -144,9 +141,6 @@ def _clamped(node: Any) -> str:
     if hi is None:
         return f" clamped to ≥ {_number(lo)}"
     return f" clamped to [{_number(lo)}, {_number(hi)}]"
-
-
-_ONLY = "the fused op computes silu, gelu, relu or relu² of the gate times up, of the projections as they are"
 
 
 def _offset(node: Any) -> tuple[Any, Any] | None:
@@ -175,7 +169,7 @@ def _why_scaled_sigmoid(b: dict[str, Any]) -> str:
         parts.append(" and ".join(clamps) + " before it")
     if offset is not None:
         parts.append(f"up enters as (up + {_number(offset)})")
-    return "; ".join(parts) + f": {_ONLY}"
+    return "; ".join(parts) + f": {ONLY}"
 
 
 def _why_softcapped(b: dict[str, Any]) -> str:
@@ -185,7 +179,7 @@ def _why_softcapped(b: dict[str, Any]) -> str:
     up_cap = _softcap_of(b["up"])
     if up_cap is not None:
         why += f"; up is softcapped too (cap {_number(up_cap)})"
-    return f"{why}: {_ONLY}"
+    return f"{why}: {ONLY}"
 
 
 def _softcap(x: Any, name: str) -> Op:
@@ -357,22 +351,18 @@ def _count_uses(args: object, value: torch.fx.Node) -> int:
     return len(found)
 
 
-def _check(found: Found, variant: Variant, activation: str) -> Replacement:
+def _check(found: Found, variant: Variant, config: Any) -> Replacement:
     b = found.bindings
     if variant.params.unsupported is not None:
         raise Decline(variant.params.unsupported(b))
+    # first whether the match is this activation at all (relu2's power): the reason to give where it is not
+    activation = variant.params.activation
+    if BY_NAME[activation].check is not None:
+        BY_NAME[activation].check(b)
     out = tensor_meta(found.root)
     other = _non_projection_user(found.root)
     if other is not None:
         raise Decline(f"the product is also used by {other}, not only by a projection")
-    if activation == "gelu":
-        if b.get("approximate") not in _GELU_MODES:
-            raise Decline(f"gelu approximate={b.get('approximate')!r} is not 'tanh' or 'none'")
-        activation = _GELU_MODES[b["approximate"]]
-    elif activation == "relu" and "power" in b:
-        if scalar_hint(b["power"]) != 2:
-            raise Decline(f"the gate's activation is relu(gate) to the power {b['power']}: {_ONLY}")
-        activation = "relu2"
     bases = ["gate_up"] if variant.params.packed else ["gate", "up"]
     tensors = {n: tensor_meta(b[n]) for n in bases + [f"{n}_lora" for n in bases] if n in b}
     if any(t.dtype not in FLOAT_DTYPES for t in tensors.values()):
@@ -422,36 +412,28 @@ def _check(found: Found, variant: Variant, activation: str) -> Replacement:
     )
 
 
-SWIGLU = Pattern(
-    "swiglu",
-    _variants(_silu) + _DECLINED,
-    lambda found, variant, config: _check(found, variant, "silu"),
-    anchors=frozenset({"silu"}),
-    after_apply=DOWN_WEIGHT["swiglu"],
-    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
-    options=GatedMLPConfig,
-    experimental_options=GatedMLPExperimental,
-    options_name="gated_mlp",  # one set of options for every activation
-)
-GEGLU = Pattern(
-    "geglu",
-    _variants(_gelu),
-    lambda found, variant, config: _check(found, variant, "gelu"),
-    anchors=frozenset(),
-    after_apply=DOWN_WEIGHT["geglu"],
-    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
-    options=GatedMLPConfig,
-    experimental_options=GatedMLPExperimental,
-    options_name="gated_mlp",  # one set of options for every activation
-)
-REGLU = Pattern(
-    "reglu",
-    _variants(_relu),
-    lambda found, variant, config: _check(found, variant, "relu"),
-    anchors=frozenset(),
-    after_apply=DOWN_WEIGHT["reglu"],
-    post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
-    options=GatedMLPConfig,
-    experimental_options=GatedMLPExperimental,
-    options_name="gated_mlp",  # one set of options for every activation
-)
+# what a gated pattern has beyond its activations' variants: the forms it declares to decline, and the ops whose
+# unmatched occurrences its near-miss report explains
+_DECLINED_FORMS = {"swiglu": _DECLINED}
+_ANCHORS = {"swiglu": frozenset({"silu"})}
+
+
+def _gated_pattern(name: str) -> Pattern:
+    """The gated pattern ``name``: the variants of the table's activations of that pattern, in table order."""
+    variants = [v for activation in TABLE if activation.pattern == name for v in _variants(activation)]
+    return Pattern(
+        name,
+        variants + _DECLINED_FORMS.get(name, []),
+        _check,
+        anchors=_ANCHORS.get(name, frozenset()),
+        after_apply=DOWN_WEIGHT[name],
+        post_grad=(*IN_PLACE_PASSES, DOWN_GRADS_PASS),  # the fused down grads take in-place backwards too
+        options=GatedMLPConfig,
+        experimental_options=GatedMLPExperimental,
+        options_name="gated_mlp",  # one set of options for every activation
+    )
+
+
+# the gated patterns by name (``.counts`` keys), in table order: the order they are registered in
+GATED = {name: _gated_pattern(name) for name in GATED_PATTERNS}
+SWIGLU, GEGLU, REGLU = GATED["swiglu"], GATED["geglu"], GATED["reglu"]

@@ -1,8 +1,8 @@
 """Refinement of the gated MLPs' ops: a trainable down projection fed a gated op's product becomes
 ``fuser::linear_gated`` (``src/fuser/kernels/linear_gated.py``), whose weight gradient recomputes the product from the
 gate and up the gated op saves anyway, so the product ([tokens, intermediate], the widest activation of a layer) is
-not saved for it (``gated_mlp.recompute_for_down_weight``). Each gated pattern (swiglu, geglu, reglu) refines its
-own activations' ops; ``upcast_linear``'s refinement swaps in the same recompute for peft's LoRA A of the down
+not saved for it (``gated_mlp.recompute_for_down_weight``). Each gated pattern (swiglu, geglu, reglu, ...) refines
+its own activations' ops; ``upcast_linear``'s refinement swaps in the same recompute for peft's LoRA A of the down
 projection (:func:`plain_gated_product`, :func:`swap_in_gated_linear`)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import fuser.kernels.gated_activation  # noqa: F401  (registers torch.ops.fuser.
 from fuser._compat import OpOverload
 from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.protocol import Refinement
+from fuser.kernels.activations import GATED_PATTERNS, TABLE
 
 if TYPE_CHECKING:
     from fuser.config import FuserConfig
@@ -105,5 +106,5 @@ def _for(*activations: str) -> Refinement:
     return Refinement(functools.partial(recompute_for_down_weight, activations=frozenset(activations)))
 
 
-# by gated pattern: the activations whose ops it refines (each pattern its own)
-DOWN_WEIGHT = {"swiglu": _for("silu"), "geglu": _for("gelu", "gelu_tanh"), "reglu": _for("relu", "relu2")}
+# by gated pattern: the activations whose ops it refines (each pattern its own, as the activation table assigns them)
+DOWN_WEIGHT = {p: _for(*(a.name for a in TABLE if a.pattern == p)) for p in GATED_PATTERNS}
