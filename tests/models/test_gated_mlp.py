@@ -86,8 +86,16 @@ def _mlp_counts(counts):
     return {k: v for k, v in counts.items() if k in MLP_PATTERNS}
 
 
-@pytest.mark.parametrize("arch", list(GATED_ARCHS))
-@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+# Qwen3-MoE with LoRA is test_fp32_training_step_equals_eager's qwen3_moe-lora step below (the same model), which
+# asserts this count too, through the backend, besides the step against eager; capturing it again here only repeated
+# its Dynamo traces through peft's graph breaks at the router (15 graphs, the file's longest trace). Mixtral with LoRA,
+# the other MoE, keeps its explain case.
+EXPLAIN_CASES = [(arch, lora) for lora in (False, True) for arch in GATED_ARCHS if not (lora and arch == "qwen3_moe")]
+
+
+@pytest.mark.parametrize(
+    "arch, lora", EXPLAIN_CASES, ids=[f"{'lora' if lora else 'plain'}-{arch}" for arch, lora in EXPLAIN_CASES]
+)
 def test_explain_counts_one_gated_activation_per_layer(arch, lora):
     model = build_any(arch)
     if lora:
