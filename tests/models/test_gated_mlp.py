@@ -399,9 +399,9 @@ def test_linear_gated_opcheck():
 @pytest.mark.parametrize("recompute", [True, False], ids=["refined", "not refined"])
 def test_linear_gated_the_product_is_no_longer_saved(recompute):
     config = fuser.FuserConfig(gated_mlp={"recompute_for_down_weight": recompute})
-    wide = saved_wide_tensors(small_llama(96).train(), 96, config)
-    # gate and up (for the gated op's backward), and without the refinement the product too
-    assert len(wide) == (2 if recompute else 3) * 2, wide
+    wide = saved_wide_tensors(small_llama(96, layers=N_LAYERS).train(), 96, config)
+    # gate and up (for the gated op's backward), and without the refinement the product too, per layer
+    assert len(wide) == (2 if recompute else 3) * N_LAYERS, wide
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -488,9 +488,9 @@ def test_not_when_the_gated_op_absorbed_the_lora_sums():
 def test_upcast_linear_gated_the_product_is_no_longer_saved(recompute):
     config = fuser.FuserConfig(upcast_linear={"recompute_gated_input": recompute})
     lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    wide = saved_wide_tensors(peft.get_peft_model(small_llama(96), lora).train(), 96, config)
-    # gate and up (for the gated op's backward), and without the refinement the product too
-    assert len(wide) == (2 if recompute else 3) * 2, wide
+    wide = saved_wide_tensors(peft.get_peft_model(small_llama(96, layers=N_LAYERS), lora).train(), 96, config)
+    # gate and up (for the gated op's backward), and without the refinement the product too, per layer
+    assert len(wide) == (2 if recompute else 3) * N_LAYERS, wide
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -391,18 +391,19 @@ def test_lora_step_as_close_to_fp32_as_eager():
 
 @pytest.mark.parametrize("method", ["LoRA", "full"])
 def test_the_normalised_values_are_no_longer_saved(method):
-    """Inductor's partitioner on a 2-layer Llama (hidden 32): the two normalised values per layer, saved for
-    the LoRA A weight gradients without the pattern, are not saved with it (``rms_norm_linear.lora``). One tensor
+    """Inductor's partitioner on a Llama of N_LAYERS layers (hidden 32): the two normalised values per layer, saved
+    for the LoRA A weight gradients without the pattern, are not saved with it (``rms_norm_linear.lora``). One tensor
     per model comes back: the first norm's input, the embedding output, which the partitioner recomputed from the
     ids for the norm's backward and now saves, as the first rebuild reads it too (at Llama-3-8B widths: 2 tensors
     fewer per layer, ``benchmarks/saved_activations.py``). Under full fine-tuning the q/k/v and gate/up weight
     gradients saved them too, and the embedding output is saved either way: 2 fewer per layer."""
-    model = small_llama(96)
+    model = small_llama(96, layers=N_LAYERS)
     if method == "LoRA":
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     saved = saved_wide_tensors(model.train(), 32, fuser.FuserConfig(patterns=ALL_PATTERNS, **LORA_ON))
     saved_without = saved_wide_tensors(model, 32, fuser.FuserConfig(patterns=WITHOUT_NORM_LINEAR))
-    assert len(saved_without) - len(saved) == (2 * 2 - 1 if method == "LoRA" else 2 * 2), (saved, saved_without)
+    fewer = 2 * N_LAYERS - 1 if method == "LoRA" else 2 * N_LAYERS
+    assert len(saved_without) - len(saved) == fewer, (saved, saved_without)
 
 
 @pytest.mark.parametrize("lora_on", [False, True], ids=["lora off", "lora on"])

@@ -299,12 +299,13 @@ def saved_wide_tensors(model: torch.nn.Module, width: int, config=None) -> list[
     return [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == width]
 
 
-def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A 2-layer Llama (vocab 128, hidden 32) with a distinctive intermediate size, for counting saved tensors."""
+def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16, layers: int = 2) -> torch.nn.Module:
+    """A Llama of ``layers`` layers (vocab 128, hidden 32) with a distinctive intermediate size, for counting saved
+    tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
     return LlamaForCausalLM(config).to(dtype)
 
