@@ -89,8 +89,13 @@ ARCH_NAMES = list(ARCHS)
 STRICT = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
 
 
+# Under gradient checkpointing only: the plain and LoRA models of every architecture (the same _prepare(arch, ...)
+# models) have this count asserted through the backend, by the same matcher on the same Dynamo graphs:
+# test_graph_and_recompile_counts_equal_eager_backend[<arch>-plain] and test_fp32_training_step_equals_eager[<arch>-
+# lora]. Capturing them again here only repeated their traces. fuser.explain's own counting stays covered here, in
+# test_explain_names_the_norm_form and in test_explain_counts_the_norms_that_feed_only_projections.
 @pytest.mark.parametrize("arch", ARCH_NAMES)
-@pytest.mark.parametrize("variant", ["plain", "lora", "checkpointing"])
+@pytest.mark.parametrize("variant", ["checkpointing"])
 def test_explain_counts_every_norm(arch, variant):
     report = fuser.explain(_prepare(arch, variant), **batch())
     assert fused_norms(report.counts) == expected_norms(arch), str(report)
