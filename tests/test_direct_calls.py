@@ -14,7 +14,7 @@ import torch
 
 import fuser
 from fuser.inductor import direct_calls
-from tests.models.inductor_steps import XDIST_GROUP, inductor_step
+from tests.models.inductor_steps import N_LAYERS, XDIST_GROUP, inductor_step
 from tests.models.tiny import batch, grads, lora_model
 
 OPS = torch.ops.fuser
@@ -112,7 +112,7 @@ def step_and_code(config, checkpointing: bool = False):
     return loss, grads(model), "\n".join(code)
 
 
-MODEL = lora_model(torch.bfloat16)
+MODEL = lora_model(torch.bfloat16, layers=N_LAYERS)  # inductor_steps' "lora" model
 CALL = re.compile(r"torch\.ops\.fuser\.(\w+)\.(\w+)\(")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 import fuser
-from tests.models.tiny import batch, build, from_config, grads, rel
+from tests.models.tiny import N_LAYERS, batch, build, from_config, grads, rel
 
 Step = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (loss, every gradient by parameter name)
 
@@ -25,14 +25,16 @@ WIDE_LLAMA = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_hea
               "head_dim": 128, "attn_implementation": "sdpa"}  # fmt: skip
 
 
-def build_arch(arch: str) -> torch.nn.Module:
-    """A tiny fp32 causal LM: ``tiny.build(arch)`` (Llama, Mistral, Qwen3, Gemma, OLMo-2: random norm weights), or
-    Phi-3 (packed qkv and gate/up projections) or Gemma-3 (1 + w norms around attention and MLP, a window of 8)."""
+def build_arch(arch: str, layers: int = N_LAYERS) -> torch.nn.Module:
+    """A tiny fp32 causal LM of ``layers`` decoder layers: ``tiny.build(arch)`` (Llama, Mistral, Qwen3, Gemma, OLMo-2:
+    random norm weights), or Phi-3 (packed qkv and gate/up projections) or Gemma-3 (1 + w norms around attention and
+    MLP, a window of 8)."""
+    sizes = {"attn_implementation": "sdpa", "num_hidden_layers": layers}
     if arch == "phi3":
-        return from_config("Phi3Config", {"attn_implementation": "sdpa", "pad_token_id": 0})
+        return from_config("Phi3Config", {**sizes, "pad_token_id": 0})
     if arch == "gemma3":
-        return from_config("Gemma3TextConfig", {"attn_implementation": "sdpa", "sliding_window": 8})
-    return build(arch)
+        return from_config("Gemma3TextConfig", {**sizes, "sliding_window": 8})
+    return build(arch, layers=layers)
 
 
 def train_step(model: torch.nn.Module, config=None, data: dict | None = None, autocast: bool = False, run=None) -> Step:

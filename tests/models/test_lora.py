@@ -24,19 +24,37 @@ import torch.nn.functional as F
 import fuser
 import fuser.kernels.lora_sum  # noqa: F401  (registers torch.ops.fuser.linear_wide and lora_sum)
 from fuser.kernels._triton import HAS_TRITON, interpreting
-from tests.models.harness import assert_as_close_to_fp32_as_eager, build_arch, calls, train_step
+from tests.models import harness, tiny
+from tests.models.harness import assert_as_close_to_fp32_as_eager, calls, train_step
 from tests.models.tiny import (
-    N_LAYERS,
     VOCAB,
     assert_step_as_close_to_fp32_as_eager,
     batch,
-    build,
     grads,
-    lora_model,
     lora_step,
     rel,
     with_lora,
 )
+
+# One decoder layer: every adapter here (7 per layer), its sum and its grouping sit inside one layer, and the layers
+# are identical, so a second layer only doubled each Dynamo trace; the counts follow N_LAYERS.
+N_LAYERS = 1
+
+
+def build(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``tiny.build`` with ``N_LAYERS`` layers."""
+    return tiny.build(arch, dtype, layers=N_LAYERS)
+
+
+def build_arch(arch: str) -> torch.nn.Module:
+    """``harness.build_arch`` with ``N_LAYERS`` layers."""
+    return harness.build_arch(arch, layers=N_LAYERS)
+
+
+def lora_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """``tiny.lora_model`` with ``N_LAYERS`` layers."""
+    return tiny.lora_model(dtype, layers=N_LAYERS)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # upcast_linear: peft's fp32 LoRA adapters on a bf16 tiny Llama: every lora_A(x.float()) becomes upcast_linear (7 per
@@ -70,11 +88,13 @@ def _record_groups(monkeypatch) -> list[tuple[int, ...]]:
 def test_adapters_of_one_input_share_one_op_as_close_to_fp32_as_eager(monkeypatch):
     """q/k/v's LoRA A read one normalised input, gate/up's another: two grouped ops per layer, their weights
     concatenated (rank 4 here: 3 × 4 and 2 × 4 rows); o's and down's stay alone. x's gradient is the adapters'
-    terms summed in fp32 and rounded once (eager rounds each, then adds): the step is as close to fp32 as eager's."""
+    terms summed in fp32 and rounded once (eager rounds each, then adds): the step is as close to fp32 as eager's.
+    On tiny's two-layer model: on one layer the gradients' summed error is another draw of rounding noise, 1.03x
+    eager's with the grouping alone (CPU), past the aggregate bar, which the default config meets there."""
     groups = _record_groups(monkeypatch)
     config = fuser.FuserConfig(patterns=("upcast_linear",), strict=True, inner_compiler="aot_eager")
-    assert_step_as_close_to_fp32_as_eager(torch.bfloat16, config)
-    assert sorted(groups) == sorted([(4, 4, 4), (4, 4)] * N_LAYERS)
+    assert_step_as_close_to_fp32_as_eager(torch.bfloat16, config, tiny.lora_model())
+    assert sorted(groups) == sorted([(4, 4, 4), (4, 4)] * tiny.N_LAYERS)
 
 
 def test_groups_hold_at_most_64_rows(monkeypatch):
@@ -83,8 +103,6 @@ def test_groups_hold_at_most_64_rows(monkeypatch):
     fp32 by 0.96-1.02x eager's (rounding noise, either way), so the aggregate bar is met by the default config,
     not by the grouping alone."""
     import peft
-
-    from tests.models.tiny import build
 
     groups = _record_groups(monkeypatch)
     lora = peft.LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
@@ -134,7 +152,7 @@ def test_lora_sum_alone_is_eager_except_the_residual_sums_kept_fp32():
 
 
 def close_to_fp32_as_eager(dtype, config):
-    assert_step_as_close_to_fp32_as_eager(dtype, config)
+    assert_step_as_close_to_fp32_as_eager(dtype, config, lora_model(dtype))
     counts = fuser.backend(config).counts
     assert counts.get("lora_sum") == 7 * N_LAYERS and counts.get("swiglu") == N_LAYERS, counts
 
@@ -160,8 +178,6 @@ def test_an_adapter_on_one_half_of_the_gated_mlp(targets):
     is exact). Until 2026-12-02 the op refused the mixed pair ("expects up of gate's dtype"), so a strict compile
     failed and a default one fell back to the unrewritten graph."""
     import peft as peft_module
-
-    from tests.models.tiny import build
 
     config = fuser.FuserConfig(strict=True, inner_compiler="aot_eager")
     lora = peft_module.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)

@@ -20,7 +20,8 @@ VOCAB = 128
 
 
 def from_config(cls_name: str, extra: dict | None = None, seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight causal LM of ``transformers.<cls_name>`` (2 layers, hidden 64), dropout off."""
+    """A tiny random-weight causal LM of ``transformers.<cls_name>`` (``N_LAYERS`` layers unless ``extra`` says
+    ``num_hidden_layers``, hidden 64), dropout off."""
     fields = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -37,8 +38,8 @@ def from_config(cls_name: str, extra: dict | None = None, seed: int = 0) -> torc
     return model.eval()  # dropout off: eager and fuser must compute the same function
 
 
-def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    model = from_config(ARCHS[arch][0], {"attn_implementation": "sdpa"}, seed).to(dtype)
+def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = N_LAYERS) -> torch.nn.Module:
+    model = from_config(ARCHS[arch][0], {"attn_implementation": "sdpa", "num_hidden_layers": layers}, seed).to(dtype)
     # random norm weights, so a kernel that ignored the weight (or its 1 + w offset) would be caught
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -47,8 +48,8 @@ def build(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch
     return model
 
 
-def expected_norms(arch: str) -> int:
-    return ARCHS[arch][1] * N_LAYERS + 1
+def expected_norms(arch: str, layers: int = N_LAYERS) -> int:
+    return ARCHS[arch][1] * layers + 1
 
 
 NORM_PATTERNS = ("rms_norm", "rms_norm_linear")  # a norm counts under one: rms_norm_linear if only projections read it
@@ -66,9 +67,10 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(copy.deepcopy(model), config)
 
 
-def lora_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A tiny Llama in ``dtype`` with peft's adapters on every linear layer, kept in fp32 (peft's default)."""
-    model = with_lora(build("llama", dtype))
+def lora_model(dtype: torch.dtype = torch.bfloat16, layers: int = N_LAYERS) -> torch.nn.Module:
+    """A tiny Llama in ``dtype`` (``layers`` decoder layers) with peft's adapters on every linear layer, kept in fp32
+    (peft's default)."""
+    model = with_lora(build("llama", dtype, layers=layers))
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     return model
 
@@ -130,33 +132,34 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-# Architectures for the gated-MLP tier: config class, extra config fields, and the fused-op counts per model.
+# Architectures for the gated-MLP tier: config class, extra config fields, and the fused-op counts per layer.
 GATED_ARCHS = {
-    "llama": ("LlamaConfig", {}, {"swiglu": N_LAYERS}),
-    "qwen3": ("Qwen3Config", {}, {"swiglu": N_LAYERS}),
-    "mistral": ("MistralConfig", {}, {"swiglu": N_LAYERS}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}, {"swiglu": N_LAYERS}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, {"swiglu": N_LAYERS}),
+    "llama": ("LlamaConfig", {}, {"swiglu": 1}),
+    "qwen3": ("Qwen3Config", {}, {"swiglu": 1}),
+    "mistral": ("MistralConfig", {}, {"swiglu": 1}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}, {"swiglu": 1}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, {"swiglu": 1}),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
-        {"swiglu": N_LAYERS},
+        {"swiglu": 1},
     ),
-    "gemma": ("GemmaConfig", {}, {"geglu": N_LAYERS}),
+    "gemma": ("GemmaConfig", {}, {"geglu": 1}),
     # not gated: must fuse no MLP
-    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": N_LAYERS, "n_head": 4}, {}),
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_head": 4}, {}),
     "arcee": ("ArceeConfig", {}, {}),  # relu² MLP
     "starcoder2": ("Starcoder2Config", {}, {}),  # gelu_pytorch_tanh, un-gated
 }
 
 
-def build_any(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def build_any(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = N_LAYERS) -> torch.nn.Module:
     cls_name, extra, _ = GATED_ARCHS[arch]
-    return from_config(cls_name, extra, seed).to(dtype)
+    sizes = {"num_hidden_layers": layers, **({"n_layer": layers} if cls_name == "GPT2Config" else {})}  # GPT-2's name
+    return from_config(cls_name, {**extra, **sizes}, seed).to(dtype)
 
 
-def expected_mlp_counts(arch: str) -> dict[str, int]:
-    return dict(GATED_ARCHS[arch][2])
+def expected_mlp_counts(arch: str, layers: int = N_LAYERS) -> dict[str, int]:
+    return {name: per_layer * layers for name, per_layer in GATED_ARCHS[arch][2].items()}
 
 
 # Architectures for the RoPE tier: config class, extra config fields, RoPE ops expected per model (one per layer).
@@ -296,12 +299,13 @@ def saved_wide_tensors(model: torch.nn.Module, width: int, config=None) -> list[
     return [shape for dtype, shape in saved if dtype == torch.bfloat16 and shape[-1] == width]
 
 
-def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A 2-layer Llama (vocab 128, hidden 32) with a distinctive intermediate size, for counting saved tensors."""
+def small_llama(intermediate: int, dtype: torch.dtype = torch.bfloat16, layers: int = 2) -> torch.nn.Module:
+    """A Llama of ``layers`` layers (vocab 128, hidden 32) with a distinctive intermediate size, for counting saved
+    tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
     return LlamaForCausalLM(config).to(dtype)
 
