@@ -391,7 +391,7 @@ def _linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fast: bo
     """``dyᵀ @ x`` in W's dtype."""
     if fast:
         return _dw_triton(dy, x).to(weight.dtype)
-    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    return dy.reshape(-1, dy.shape[-1]).t().to(weight.dtype) @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
 
 
 @upcast_linear_grads.register_fake
@@ -486,7 +486,7 @@ def _gated_weight_grad(dy, gate, up, weight, gate_scale, up_scale, activation, a
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         x = gated_activation_forward(gate2[rows], up2[rows], activation, Lora(None, None, gate_scale, up_scale))[0]
-        part = _linear_dw(dy2[rows].to(wide.dtype) if not fast else dy2[rows], x, wide, fast)
+        part = _linear_dw(dy2[rows], x, wide, fast)
         del x  # before the next slice is allocated: one slice live at a time, not two
         dw = part if dw is None else dw.add_(part)
     return dw.to(weight.dtype)

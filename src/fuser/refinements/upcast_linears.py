@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 import fuser.kernels.upcast_linear  # noqa: F401  (registers torch.ops.fuser.upcast_linear*)
-from fuser.engine.canonical import tensor_meta
+from fuser.engine.canonical import canonical, tensor_meta
 from fuser.engine.protocol import Refinement
 from fuser.engine.rewrite import copy_source_meta
 from fuser.kernels.upcast_linear import TRITON_MAX_OUT
@@ -62,16 +62,9 @@ def _graph_input(node: object) -> bool:
 
 
 def _cast_of_graph_input(node: object) -> bool:
-    """``w.to(dtype)`` of a graph input ``w`` (an adapter rounded as autocast rounds it), and nothing else."""
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_method"
-        and node.target == "to"
-        and len(node.args) == 2
-        and not node.kwargs
-        and isinstance(node.args[1], torch.dtype)
-        and _graph_input(node.args[0])
-    )
+    """A dtype cast of a graph input (an adapter rounded as autocast rounds it) that reads graph inputs only."""
+    c = canonical(node)
+    return c is not None and c.op == "to" and all(_graph_input(n) for n in node.all_input_nodes)
 
 
 def _groupable(node: torch.fx.Node) -> bool:
