@@ -98,6 +98,21 @@ def rows_already(h, w, b, y):  # 2-D hidden states: no view at all
     return F.cross_entropy(F.linear(h.reshape(-1, H), w), y.reshape(-1))
 
 
+def text_positions(h, w, b, y):  # BLIP-2: the logits of the text positions, after the image's query tokens
+    labels = y[:, 3:]
+    logits = F.linear(h, w).contiguous()[:, -labels.size(1) :, :]
+    return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100), logits
+
+
+def image_tokens_sliced(h, w, b, y):  # GIT: the image tokens and the last position cut off, rows viewed twice
+    shifted = F.linear(h, w)[:, 2:-1, :].contiguous()
+    return F.cross_entropy(shifted.view(-1, V).float().view(-1, V), y[:, 3:].contiguous().view(-1))
+
+
+def last_position(h, w, b, y):  # an int index: one position a row (a classifier on the last token)
+    return F.cross_entropy(F.linear(h, w, b)[:, -1], y[:, -1].clamp(min=0))
+
+
 VARIANTS = [
     plain,
     upcast,
@@ -114,6 +129,9 @@ VARIANTS = [
     divided_by_num_items_number,
     loss_module,
     rows_already,
+    text_positions,
+    image_tokens_sliced,
+    last_position,
 ]
 
 
@@ -307,6 +325,10 @@ def nll_of_log_softmax_smoothed(h, w, b, y):  # ProphetNet with eps > 0: the log
     return 0.9 * F.nll_loss(log_probs, y.view(-1)) + 0.1 / V * smooth
 
 
+def vocab_sliced(h, w, b, y):  # a slice of the vocab (the last dim): not the rows the op can select
+    return F.cross_entropy(F.linear(h, w)[..., : V - 5].reshape(-1, V - 5), y.clamp(min=0, max=V - 6).view(-1))
+
+
 NEAR_MISSES = {
     nll_of_log_softmax: "the loss is nll_loss over log_softmax: cross_entropy's value, written in two steps",
     nll_of_log_softmax_smoothed: "the log-probabilities are also used by",
@@ -319,6 +341,7 @@ NEAR_MISSES = {
     soft_targets: "not a 1-D tensor of class indices",
     class_dim_not_last: "looked like part of linear_cross_entropy",
     graph_break_before_loss: "the logits are the input `logits` (a 2×7×37 float32 tensor) of this graph",
+    vocab_sliced: "looked like part of linear_cross_entropy",
 }
 
 

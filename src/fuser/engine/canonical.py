@@ -178,9 +178,10 @@ def _structural(node: Node, op: str) -> Canon | None:
 
     ``silu(x)``; ``gelu(x, approximate)``; ``chunk(x, chunks, dim)`` and ``unbind(x, dim)`` with ``dim`` negative.
     ``getitem`` becomes ``getitem(t, i)`` when ``t`` returns a tuple (chunk, unbind or split), ``unsqueeze`` for an
-    index that only adds one ``None`` axis (``f[:, :, None, :]``), ``slice_last`` for a last-dim slice, and
+    index that only adds one ``None`` axis (``f[:, :, None, :]``), ``slice_last`` for a last-dim slice,
     ``whole(t)`` for an index that selects all of ``t`` whatever its sizes (``h[:, -0:, :]``, transformers'
-    ``logits_to_keep=0`` slice); other tensor indexing is nothing.
+    ``logits_to_keep=0`` slice), and ``index_leading(t, index)`` for slices and ints that leave the last dim whole
+    (``logits[:, -n:, :]``); other tensor indexing is nothing.
     """
     args, kwargs = list(node.args), dict(node.kwargs)
     if op == "silu":
@@ -221,6 +222,8 @@ def _structural(node: Node, op: str) -> Canon | None:
     last_dim_slice = _last_dim_slice(args[0], args[1])
     if last_dim_slice is None and _selects_everything(args[1], tensor_meta(args[0])):
         return Canon("whole", (args[0],))
+    if last_dim_slice is None and (leading := _leading_index(args[1], tensor_meta(args[0]))) is not None:
+        return Canon("index_leading", (args[0], leading))
     return last_dim_slice
 
 
@@ -242,6 +245,20 @@ def _selects_everything(index: Any, t: torch.Tensor | None) -> bool:
     if t is None or items.count(Ellipsis) > 1 or len(items) - items.count(Ellipsis) > t.dim():
         return False
     return all(whole(i) for i in items)
+
+
+def _leading_index(index: Any, t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """``index`` as a tuple of basic indices (slices and ints, no ``...``, no new axis, no tensor) that leaves the
+    last dim whole: ``logits[:, -n:, :]``, ``logits[:, k:-1]``; None for any other index. Such a selection of rows
+    commutes with a function of the last dim (a linear's rows are selected before or after it alike)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if t is None or t.dim() == 0 or len(items) > t.dim():
+        return None
+    if not all(isinstance(i, slice) or type(i) is int for i in items):
+        return None
+    if len(items) == t.dim() and not (isinstance(items[-1], slice) and _selects_everything(items[-1], t)):
+        return None
+    return tuple(items)
 
 
 def _last_dim_slice(x: Node, index: Any) -> Canon | None:

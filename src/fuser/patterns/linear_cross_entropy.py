@@ -7,6 +7,8 @@
     Granite            logits / logits_scaling                   its inverse is the scale
     Gemma-2            tanh(logits / cap) * cap                  final-logit softcapping (after any scale)
     hand-written       F.cross_entropy(lm_head(h).view(-1, V), y.view(-1)), or on 2-D logits with no view
+    BLIP-2, GIT        logits[:, -n:, :], logits[:, k:-1, :]     the text positions only: any slices and ints that
+                                                                 leave the vocab dim whole (the op takes h's same rows)
 
 The whole chain from the linear to the loss becomes one ``torch.ops.fuser.linear_cross_entropy``, which never
 holds the full ``[tokens, vocab]`` logits in memory. What stays in the graph: the labels expression (shift by pad or
@@ -102,6 +104,22 @@ def _constant(name: str) -> OneOf:
 
 
 @dataclass(frozen=True)
+class Indexed(ArgExpr):
+    """``source[index]``, cast to ``dtype``: the hidden states' rows that the logits' own index selects (the last dim
+    left whole), in the dtype the op computes in."""
+
+    source: Node
+    index: tuple[Any, ...]
+    dtype: torch.dtype
+
+    def build(self, graph: torch.fx.Graph) -> Node:
+        node = graph.call_function(operator.getitem, (self.source, self.index))
+        if tensor_meta(self.source).dtype != self.dtype:
+            node = graph.call_method("to", (node, self.dtype))
+        return node
+
+
+@dataclass(frozen=True)
 class Reciprocal(ArgExpr):
     """``1.0 / source`` of a symbolic scalar (Granite's ``logits / logits_scaling`` as the op's logit scale)."""
 
@@ -143,6 +161,11 @@ def _loss_of(logits: Any) -> Op:
 hidden = OneOf(Op("whole", V("h")), V("h"))
 logits = OptCast(Op("linear", hidden, V("w"), OneOf(V("b"), None)), "linear_cast")
 logits = OneOf(Op("contiguous", logits), logits)  # OPT: lm_head(h).contiguous()
+# the text positions of a model that prepends others (BLIP-2: `logits[:, -labels.size(1):, :]`, GIT:
+# `logits[:, num_image_tokens:-1, :].contiguous()`): the op takes the same rows of the hidden states
+logits = OneOf(Op("index_leading", logits, C("logits_index")), logits)
+logits = OneOf(Op("contiguous", logits), logits)
+logits = OneOf(Op("rows", logits), logits)  # GIT: rows before the loss function's upcast and its own view
 
 VARIANTS = [
     Variant("causal lm", _loss_of(logits)),
@@ -331,10 +354,11 @@ def check_linear_cross_entropy(found: Found, variant: Variant, config: FuserConf
     # autocast ran the linear in a lower precision than its operands: the op gets them in that dtype
     compute = logits_t.dtype
     options = config.experimental.linear_cross_entropy
+    hidden_operand = Indexed(h, b["logits_index"], compute) if "logits_index" in b else _operand(h, compute)
     return Replacement(
         torch.ops.fuser.linear_cross_entropy.default,
         (
-            _operand(h, compute),
+            hidden_operand,
             _operand(w, compute),
             None if bias is None else _operand(bias, compute),
             b["labels"],
