@@ -366,12 +366,14 @@ def _is_gated_mlp_module(module: torch.nn.Module) -> bool:
     cls = type(module).__name__.lower()
     children = [c for c in module.children() if isinstance(c, torch.nn.Linear)]
     linears = len(children)
-    # packed: one linear of 2 × the other's input, as ModernBERT's Wi, Wo; not an attention whose packed qkv happens to
-    # be twice o_proj's width (Ergo's at the tiny shapes: 4 heads of q, 2 of k and 2 of v)
+    # packed: one linear of 2 × the other's input (something halves the width between them: a chunk into gate and
+    # up), as ModernBERT's Wi, Wo or a vision projector's linear_1, linear_2 (Aya Vision: to another width); not an
+    # attention whose packed qkv happens to be twice o_proj's width (Ergo's at the tiny shapes: 4 heads of q, 2 of k
+    # and 2 of v)
     attention = "attn" in cls or "attention" in cls
     if linears == 2 and "norm" not in cls and not attention:
         a, b = children
-        if a.out_features == 2 * b.in_features and b.out_features == a.in_features:
+        if a.out_features == 2 * b.in_features:
             return True
     feed_forward = any(w in cls for w in ("mlp", "ffn", "feedforward", "dense", "act"))  # not GatedDeltaNet
     return ("glu" in cls or ("gated" in cls and feed_forward)) and "norm" not in cls and linears >= 2  # CpmAnt
