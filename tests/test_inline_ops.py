@@ -242,6 +242,33 @@ def test_a_call_whose_body_calls_a_matmul_is_inlined():
     assert calls(gm, torch.ops.aten.mm.default) and not calls(gm, torch.ops.fuser._test_scaled_mm.default)
 
 
+@torch.library.custom_op("fuser::_test_norm_in_halves", mutates_args=())
+def _norm_in_halves_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A fused op whose kernel writes its result a part at a time (the rows of a chunk), as the loss's chunks do."""
+    out = torch.empty_like(x)
+    rstd = x.new_empty(x.shape[0], dtype=torch.float32)
+    half = x.shape[0] // 2
+    for start in (0, half):
+        part = [t.narrow(0, start, half) for t in (x, out, rstd)]
+        R.rms_norm_forward(part[0], R.Norm(w, 1e-6), out=part[1], rstd=part[2])
+    return out
+
+
+@_norm_in_halves_op.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+def test_a_call_whose_kernel_writes_part_of_a_buffer_stays_a_call(known_writes):
+    """Inductor writes a kernel's output into a part of a buffer back through an ``as_strided`` that spans the
+    whole buffer, reading past the part's own copy (an illegal memory access on a GPU): such a call stays a call."""
+    gm = graph_of(lambda x, w: torch.ops.fuser._test_norm_in_halves(x, w) + 1, (16, 256), (256,))
+    inliner = inline_ops.Inliner()
+    assert inliner.inline(gm.graph) == 0
+    assert "into part of a buffer" in inliner.declined["_test_norm_in_halves"], inliner.declined
+    assert len(calls(gm, torch.ops.fuser._test_norm_in_halves.default)) == 1 and not calls(gm, WRAPPER)
+
+
 @torch.library.custom_op("fuser::_test_side_stream", mutates_args=())
 def _side_stream_op(x: torch.Tensor) -> torch.Tensor:
     """A fused op whose body moves work to another stream, as the loss's weight gradient does."""

@@ -41,6 +41,18 @@ SET_GRAD_ENABLED = torch._C._set_grad_enabled
 """The function a traced ``torch.set_grad_enabled``/``torch.no_grad`` records as its graph node's target."""
 
 
+def triton_kernel_wrapper_functional() -> Any:
+    """The higher-order op a traced, functionalised Triton kernel launch is recorded as."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional as wrapper
+
+    return wrapper
+
+
+def is_view_op(target: Any) -> bool:
+    """Whether ``target`` is an ATen overload whose result is a view of its first input (slice, view, ...)."""
+    return isinstance(target, torch._ops.OpOverload) and bool(target.is_view)
+
+
 def registered_op_names() -> list[str]:
     """The qualified names (``"namespace::name"`` or ``"namespace::name.overload"``) of every op the dispatcher
     knows."""

@@ -20,6 +20,9 @@ same:
 - a shape is symbolic (a dynamic-shape graph: the body's choices hold only for the traced shape);
 - its tensors are not all on a GPU (CPU tensors take the op's reference path, chosen at run time);
 - the body switches CUDA streams (a trace records none: the inlined ops would lose the overlap);
+- a kernel writes into part of a buffer (the loss's chunks of rows): Inductor's functional graph writes the part
+  back through an ``as_strided`` of the part that spans the whole buffer, and reads past the part's own copy, an
+  illegal memory access on a GPU;
 - Inductor could not tell which arguments a kernel writes (it would copy back every argument), or the body could
   not be traced at all (a data-dependent value, or a Triton kernel launched other than through ``launchable``: such
   a launch is refused during the trace, since on fake tensors it would run on null pointers).
@@ -176,6 +179,27 @@ def _trace(function: Callable[..., Any], args: tuple, kwargs: dict, fake_mode: A
             return traced(*[leaves[i] for i in where])
 
 
+def _numel(node: Any) -> int | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value.numel() if isinstance(value, torch.Tensor) else None
+
+
+def _part_of_a_buffer(node: Any) -> bool:
+    """Whether ``node`` is a view of fewer elements than a tensor it was taken from (a slice of rows, through any
+    chain of views), rather than all of one."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
+        base = node.args[0]
+        if not (_compat.is_view_op(node.target) and isinstance(base, torch.fx.Node)):
+            return False
+        inner, outer = _numel(node), _numel(base)
+        if inner is None or outer is None:
+            return False
+        if inner < outer:
+            return True
+        node = base
+    return False
+
+
 def _check(gm: torch.fx.GraphModule) -> None:
     placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
     for node in gm.graph.nodes:
@@ -185,6 +209,16 @@ def _check(gm: torch.fx.GraphModule) -> None:
             raise Declined(
                 "Inductor could not tell which arguments its kernel writes and would copy every argument back"
             )
+        if node.target is _compat.triton_kernel_wrapper_functional():
+            # a kernel that writes a part of a buffer (one chunk's rows): Inductor's functional graph writes the part
+            # back through an ``as_strided`` of the part that spans the whole buffer, and reads past the part's
+            # own copy (an illegal memory access on the GPU)
+            arguments = node.kwargs["kwargs"]
+            for name in node.kwargs["tensors_to_clone"]:
+                if _part_of_a_buffer(arguments.get(name)):
+                    raise Declined(
+                        f"its kernel writes `{name}` into part of a buffer, which Inductor copies back wrongly"
+                    )
 
 
 class Inliner:
