@@ -22,7 +22,7 @@ import fuser.patterns.softmax_attention as module
 from fuser.engine.rewrite import rewrite
 from fuser.patterns import PATTERNS
 from tests.models.harness import assert_no_further_than_eager
-from tests.models.tiny import grads, load_benchmark, rel
+from tests.models.tiny import grads, load_benchmark, rel, vision_loss
 
 B, H, L, S, E = 2, 4, 7, 9, 8  # queries and keys of other lengths: a form that mixes them up fails
 STRICT = fuser.FuserConfig(patterns=("softmax_attention",), inner_compiler="aot_eager", strict=True)
@@ -353,7 +353,20 @@ def test_multihead_attention_declines(dropout):
     assert len(reasons) == 1 and reason in reasons[0], reasons
 
 
-# --- a transformers model ---------------------------------------------------------------------------------------
+# --- transformers models ---------------------------------------------------------------------------------------
+
+
+def assert_model_grads_equal(got: dict, expected: dict) -> None:
+    """Every parameter's gradient within ``FP32_TOL`` relative of eager's; a key projection's bias, whose gradient is
+    zero in exact arithmetic (it adds one number to all of a query's scores, which the softmax cancels), holds
+    rounding noise on both sides: far below the model's gradients."""
+    assert got.keys() == expected.keys() and got
+    noise = 1e-6 * max(want.norm() for want in expected.values())
+    for name, want in expected.items():
+        if name.endswith(("key.bias", "k_proj.bias")):
+            assert got[name].norm() <= noise and want.norm() <= noise, name
+            continue
+        assert rel(got[name], want) <= FP32_TOL, f"{name}: {rel(got[name], want):.2e}"
 
 
 def test_blip_fuses_its_attention_and_trains_the_same():
@@ -372,14 +385,28 @@ def test_blip_fuses_its_attention_and_trains_the_same():
     out = fuser.optimize(model, STRICT)(**batch)
     out.loss.backward()
     assert rel(out.loss, out_ref.loss) <= FP32_TOL
-    g, g_ref = grads(model), grads(reference)
-    assert g.keys() == g_ref.keys() and g
-    largest = max(want.norm() for want in g_ref.values())
-    for name, want in g_ref.items():
-        if name.endswith("key.bias"):
-            # zero in exact arithmetic (a bias of k adds one number to a query's every score, which the softmax
-            # cancels): both sides hold rounding noise, far below the model's gradients
-            noise = 1e-6 * largest
-            assert g[name].norm() <= noise and want.norm() <= noise, name
-            continue
-        assert rel(g[name], want) <= FP32_TOL, f"{name}: {rel(g[name], want):.2e}"
+    assert_model_grads_equal(grads(model), grads(reference))
+
+
+def test_siglip_pooling_head_fuses_and_trains_the_same():
+    """SigLIP's vision model with its head (Gemma-3's and the other SigLIP towers'), in training: the head's
+    nn.MultiheadAttention, whose weights the head drops, runs with need_weights=False; the encoder calls SDPA itself."""
+    import transformers
+
+    config = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8
+    )
+    torch.manual_seed(0)
+    tower = transformers.SiglipVisionModel._from_config(config, attn_implementation="sdpa").train()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    report = fuser.explain(tower, pixel_values=pixels, config=STRICT)
+    assert report.counts == {"softmax_attention": 1}, str(report)
+    reference = copy.deepcopy(tower)
+    loss_ref = vision_loss(reference, (), {"pixel_values": pixels})
+    loss_ref.backward()
+    loss = vision_loss(fuser.optimize(tower, STRICT), (), {"pixel_values": pixels})
+    loss.backward()
+    assert rel(loss, loss_ref) <= FP32_TOL
+    g = grads(tower)
+    assert any("head.attention" in name for name in g)
+    assert_model_grads_equal(g, grads(reference))
