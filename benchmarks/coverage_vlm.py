@@ -34,8 +34,10 @@ graph, each time it ran (read from the Python frames around the compiled graph's
 Attention is counted per call: eager, calls of ``F.scaled_dot_product_attention``, or (a model without SDPA)
 executions of modules whose class name says attention; fused, the SDPA calls in the graphs fuser would compile that
 take no mask (PyTorch's fused kernels run them as they are; a bidirectional vision attention without mask is one),
-plus those ``causal_attention`` rewrites to ``is_causal`` or a window. A masked SDPA call that fuser leaves masked is
-a miss, with ``causal_attention``'s reason where it declined.
+plus those ``causal_attention`` rewrites to ``is_causal`` or a window, plus the attention written by hand (matmul,
+softmax, matmul; ``nn.MultiheadAttention`` returning its weights) that ``softmax_attention`` turns into an SDPA call,
+counted as that call: without a mask fused, with one masked. A masked SDPA call that fuser leaves masked is a miss,
+with ``causal_attention``'s or ``softmax_attention``'s reason where it declined.
 """
 
 from __future__ import annotations
@@ -422,7 +424,7 @@ def inputs(model_type: str, model: torch.nn.Module, seed: int = 1) -> dict[str, 
 # ------------------------------------------------------------------------------------------------------ sides
 
 BLOCKS = ("norm", "rope", "gated", "mlp", "attention", "loss")
-PATTERNS_OF = {**text_coverage.PATTERNS_OF, "attention": ("causal_attention",)}
+PATTERNS_OF = {**text_coverage.PATTERNS_OF, "attention": ("causal_attention", "softmax_attention")}
 
 
 def side_of_path(path: str) -> str:
@@ -688,12 +690,21 @@ def _sdpa_calls(gm: torch.fx.GraphModule, rewritten: set[Any], sides: Sides) -> 
     return calls
 
 
+def _written_sdpa_call(match: Any, sides: Sides) -> tuple[str | None, str]:
+    """(static side, how it runs) of the SDPA call a ``softmax_attention`` match writes: ``native`` without a mask,
+    ``masked`` with one (an additive mask, or ``nn.MultiheadAttention``'s ``attn_mask``/``key_padding_mask``)."""
+    masks = ("mask", "attn_mask", "key_padding_mask")
+    masked = any(isinstance(match.found.bindings.get(name), torch.fx.Node) for name in masks)
+    return sides.static([match.found.root, *match.found.nodes]), "masked" if masked else "native"
+
+
 def fuser_counts(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], eager: dict[str, Any], config: Any = None
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[str]]], Any]:
     """``fuser.explain``'s fused ops as the forward ran them, per side and block, the near-miss reasons per side and
     block (distinct, shortened), and the report. Attention: the SDPA calls of the graphs (read while explain
-    matches them) that run without a mask or that ``causal_attention`` rewrites, once per run of their graph. A
+    matches them) that run without a mask or that ``causal_attention`` rewrites, and those ``softmax_attention``
+    writes without a mask, once per run of their graph. A
     gated match outside the eager model's gated MLP classes (a gated norm's ``norm(x) * silu(z)``) counts apart,
     under ``gated_elsewhere``."""
     import importlib
@@ -713,7 +724,8 @@ def fuser_counts(
         index = len(graph_sides)
         graph_of.update({id(x): index for x in (*result.matches, *result.near_misses)})
         rewritten = {m.found.root for m in result.matches if m.pattern == "causal_attention"}
-        sdpa.append(_sdpa_calls(gm, rewritten, sides))
+        written = [m for m in result.matches if m.pattern == "softmax_attention"]
+        sdpa.append(_sdpa_calls(gm, rewritten, sides) + [_written_sdpa_call(m, sides) for m in written])
         ran: Counter = Counter()
         graph_sides.append(ran)
         getattr(gm, "real_recompile", lambda: None)()  # a lazy graph module's forward calls gm.forward again

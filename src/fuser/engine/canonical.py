@@ -67,6 +67,14 @@ _FUNCTIONS = {getattr(torch, name): name for name in _TORCH_NAMED} | _spellings(
     nll_loss=(torch.nn.functional.nll_loss,),
     log_softmax=(torch.nn.functional.log_softmax, torch.log_softmax),
     sdpa=(torch.nn.functional.scaled_dot_product_attention,),  # torch._C._nn.scaled_dot_product_attention
+    # torch.bmm is torch.matmul of two 3-d tensors: one name, the rank is read from the operands' metadata
+    matmul=(torch.matmul, operator.matmul, torch.bmm),
+    baddbmm=(torch.baddbmm,),
+    softmax=(torch.nn.functional.softmax, torch.softmax),  # nn.Softmax is F.softmax(x, dim, _stacklevel=5)
+    transpose=(torch.transpose, torch.swapaxes, torch.swapdims),
+    dropout=(torch.nn.functional.dropout, torch.dropout),  # nn.Dropout is F.dropout(x, p, training, inplace)
+    # F.multi_head_attention_forward: Dynamo keeps nn.MultiheadAttention's functional body as one call
+    multi_head_attention=(torch.nn.functional.multi_head_attention_forward,),
 )
 
 
@@ -95,6 +103,14 @@ _METHODS = {
     "view": "reshape",
     "unsqueeze": "unsqueeze",
     "log_softmax": "log_softmax",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "__matmul__": "matmul",
+    "baddbmm": "baddbmm",
+    "softmax": "softmax",
+    "transpose": "transpose",
+    "swapaxes": "transpose",
+    "swapdims": "transpose",
 }
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -358,7 +374,40 @@ _SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         ("scale", None),
         ("enable_gqa", False),
     ),
+    "multi_head_attention": (
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("embed_dim_to_check", None),
+        ("num_heads", None),
+        ("in_proj_weight", None),
+        ("in_proj_bias", None),
+        ("bias_k", None),
+        ("bias_v", None),
+        ("add_zero_attn", None),
+        ("dropout_p", None),
+        ("out_proj_weight", None),
+        ("out_proj_bias", None),
+        ("training", True),
+        ("key_padding_mask", None),
+        ("need_weights", True),
+        ("attn_mask", None),
+        ("use_separate_proj_weight", False),
+        ("q_proj_weight", None),
+        ("k_proj_weight", None),
+        ("v_proj_weight", None),
+        ("static_k", None),
+        ("static_v", None),
+        ("average_attn_weights", True),
+        ("is_causal", False),
+    ),
 }
+
+
+def argument_names(op: str) -> tuple[str, ...]:
+    """The names of the arguments of ``op`` (one read with every argument bound: ``sdpa``, ``linear``…), in the
+    order of its canonical form's ``args``."""
+    return tuple(name for name, _ in _SIGNATURES[op])
 
 
 def _bound(node: Node, op: str) -> Canon | None:
@@ -378,11 +427,12 @@ def _bound(node: Node, op: str) -> Canon | None:
     return Canon(op, tuple(bound.values()))
 
 
-def _log_softmax(node: Node) -> Canon | None:
-    """``log_softmax(x, dim, dtype)``, ``dim`` negative: ``F.log_softmax(input, dim, _stacklevel, dtype)``,
-    ``torch.log_softmax(input, dim, dtype)`` or ``x.log_softmax(dim, dtype)``."""
+def _softmax(node: Node, op: str) -> Canon | None:
+    """``softmax(x, dim, dtype)`` and ``log_softmax(x, dim, dtype)``, ``dim`` negative: ``F.softmax(input, dim,
+    _stacklevel, dtype)`` (what ``nn.Softmax`` records), ``torch.softmax(input, dim, dtype)`` or ``x.softmax(dim,
+    dtype)``; an implicit ``dim`` (``F.softmax(x)``, deprecated: PyTorch picks one by rank) is nothing."""
     names = ["input", "dim", "dtype"]
-    if node.target is torch.nn.functional.log_softmax:
+    if node.target in (torch.nn.functional.log_softmax, torch.nn.functional.softmax):
         names.insert(2, "_stacklevel")
     if len(node.args) > len(names) or set(node.kwargs) - set(names):
         return None
@@ -390,7 +440,59 @@ def _log_softmax(node: Node) -> Canon | None:
     t = tensor_meta(bound.get("input"))
     if t is None or not isinstance(bound["dim"], int):
         return None
-    return Canon("log_softmax", (bound["input"], _negative_dim(bound["dim"], t.dim()), bound["dtype"]))
+    return Canon(op, (bound["input"], _negative_dim(bound["dim"], t.dim()), bound["dtype"]))
+
+
+def _products(node: Node, op: str) -> Canon | None:
+    """``matmul(a, b)`` (``torch.matmul``, ``a @ b``, ``torch.bmm`` and their methods) and ``baddbmm(input, a, b)``
+    with ``beta`` and ``alpha`` 1 (``input + a @ b``; another coefficient is nothing)."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if op == "baddbmm":
+        beta, alpha = kwargs.pop("beta", 1), kwargs.pop("alpha", 1)
+        if len(args) != 3 or kwargs or any(isinstance(c, bool) or c != 1 for c in (beta, alpha)):
+            return None
+    elif len(args) != 2 or kwargs:
+        return None
+    if not all(tensor_meta(a) is not None for a in args):
+        return None
+    return Canon(op, tuple(args))
+
+
+def _transpose(node: Node) -> Canon | None:
+    """``transpose(x, d0, d1)`` with both dims negative, the smaller first: ``x.transpose(-1, -2)``,
+    ``torch.transpose(x, 1, 2)`` of a 3-d ``x``, ``swapaxes``/``swapdims``, and ``x.mT`` (``transpose(x, -2, -1)``)."""
+    if node.target is builtins.getattr:
+        x = node.args[0]
+        t = tensor_meta(x)
+        if len(node.args) != 2 or node.args[1] != "mT" or t is None or t.dim() < 2:
+            return None
+        return Canon("transpose", (x, -2, -1))
+    names = ["input", "dim0", "dim1"]
+    if len(node.args) > 3 or set(node.kwargs) - set(names):
+        return None
+    bound = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    t = tensor_meta(bound.get("input"))
+    dims = (bound.get("dim0"), bound.get("dim1"))
+    if t is None or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    low, high = sorted(_negative_dim(d, t.dim()) for d in dims)
+    return Canon("transpose", (bound["input"], low, high))
+
+
+def _dropout(node: Node) -> Canon | None:
+    """``dropout(x, p, training)``: ``F.dropout(input, p, training, inplace)`` (what ``nn.Dropout`` records) or
+    ``torch.dropout(input, p, train)``; an in-place dropout is nothing."""
+    names = ["input", "p", "training", "inplace"]
+    if node.target is torch.dropout:
+        names = ["input", "p", "train"]
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, node.args, strict=False)), **node.kwargs}
+    if "train" in bound:
+        bound["training"] = bound.pop("train")
+    if bound["inplace"] is not False or tensor_meta(bound.get("input")) is None:
+        return None
+    return Canon("dropout", (bound["input"], bound["p"], bound["training"]))
 
 
 def _cast(node: Node) -> Canon | None:
@@ -459,6 +561,8 @@ def canonical(node: Any) -> Canon | None:
     elif node.op == "call_function":
         if node.target is operator.getitem and (linear := function_linear(node)) is not None:
             return Canon("linear", linear)  # a custom autograd.Function computing a linear (DeepSpeed ZeRO-3's)
+        if node.target is builtins.getattr:
+            return _transpose(node)  # x.mT; any other attribute is nothing
         op = _FUNCTIONS.get(node.target)
     else:
         return None
@@ -478,8 +582,14 @@ def canonical(node: Any) -> Canon | None:
         return _reshaping(node, op)
     if op in _SIGNATURES:
         return _bound(node, op)
-    if op == "log_softmax":
-        return _log_softmax(node)
+    if op in ("log_softmax", "softmax"):
+        return _softmax(node, op)
+    if op in ("matmul", "baddbmm"):
+        return _products(node, op)
+    if op == "transpose":
+        return _transpose(node)
+    if op == "dropout":
+        return _dropout(node)
     kwargs = dict(node.kwargs)
     if op == "rms_norm":
         names = ["input", "normalized_shape", "weight", "eps"]

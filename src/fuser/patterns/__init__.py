@@ -12,6 +12,7 @@ from fuser.patterns.lora_sum import LORA_SUM
 from fuser.patterns.mlp_activation import MLP_ACTIVATION
 from fuser.patterns.rms_norm import RMS_NORM, RMS_NORM_LINEAR
 from fuser.patterns.rope import ROPE
+from fuser.patterns.softmax_attention import SOFTMAX_ATTENTION
 from fuser.patterns.upcast_linear import UPCAST_LINEAR
 
 # in this order: at a node, the first pattern whose check accepts a match there takes it (a LayerNorm written by hand
@@ -19,7 +20,8 @@ from fuser.patterns.upcast_linear import UPCAST_LINEAR
 # rms_norm_linear's, any other rms_norm's; a gated product before an un-gated activation)
 _NORMS = (LAYER_NORM, RMS_NORM_LINEAR, RMS_NORM)
 _MLPS = (*GATED.values(), MLP_ACTIVATION)
-for _pattern in (*_NORMS, ROPE, *_MLPS, LINEAR_CROSS_ENTROPY, CAUSAL_ATTENTION, UPCAST_LINEAR, LORA_SUM):
+_ATTENTION = (CAUSAL_ATTENTION, SOFTMAX_ATTENTION)
+for _pattern in (*_NORMS, ROPE, *_MLPS, LINEAR_CROSS_ENTROPY, *_ATTENTION, UPCAST_LINEAR, LORA_SUM):
     register_pattern(_pattern)
 
 # what ``FuserConfig(patterns=None)`` applies
