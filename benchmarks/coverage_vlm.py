@@ -554,7 +554,8 @@ def _ungated_mlp_counters(module: torch.nn.Module) -> list[torch.nn.Module]:
     if _is_attention_module(module):
         return []
     activations = [c for c in children.values() if _is_activation(c)]  # a Sequential's count as its own
-    if len(activations) == 1 and len(_linears(module)) >= 2:
+    runs = not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))  # a list is never called itself
+    if len(activations) == 1 and len(_linears(module)) >= 2 and runs:
         # one MLP a run of the module, however often it calls its activation (Llama-4's pixel-shuffle MLP applies
         # it again after fc2: an activation of the block's output, no second MLP)
         return [module]
@@ -627,7 +628,7 @@ def eager_counts(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
             before = lambda *_, m=module: sdpa_before.__setitem__(m, _sdpa(counter))  # noqa: E731
             after = lambda *_, m=module, s=side: _no_sdpa(counter, sdpa_before, m, s)  # noqa: E731
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embeddings(model)
     if head is not None:
         handles.append(head.register_forward_hook(lambda *_: counter.update([("text", "head")])))
     rotary = _SideCounter(counter, stack)
@@ -651,6 +652,19 @@ def eager_counts(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     counts["ran"] = dict(ran)
     counts["gated_classes"] = sorted(gated_classes)
     return counts
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The lm_head: the model's output embeddings, else the first a submodule gives (BLIP's text decoder: the
+    top-level model returns None)."""
+    for module in model.modules():
+        try:
+            head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        except (NotImplementedError, AttributeError):
+            head = None
+        if head is not None:
+            return head
+    return None
 
 
 def _sdpa(counter: Counter) -> int:
