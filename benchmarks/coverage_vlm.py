@@ -804,8 +804,9 @@ def fuser_counts(
 NO_PATTERN = "no pattern for this block"
 
 
-def _no_near_miss(block: str, eager: dict[str, Any], fused: dict[str, Any]) -> str:
-    """What a block fuser fused fewer of than eager runs, with no decline to say why, is."""
+def _no_near_miss(block: str, eager: dict[str, Any], fused: dict[str, Any], skipped: tuple[str, ...] = ()) -> str:
+    """What a block fuser fused fewer of than eager runs, with no decline to say why, is; ``skipped``: the functions
+    Dynamo ran eagerly (``Report.skipped_frames``), where a block it never captured would be."""
     if block == "attention":
         if fused["masked_attention"]:
             return f"{NO_PATTERN}: SDPA with a mask fuser does not rewrite (it rewrites causal and window masks)"
@@ -813,12 +814,17 @@ def _no_near_miss(block: str, eager: dict[str, Any], fused: dict[str, Any]) -> s
             names = ", ".join(eager["eager_attention_classes"])
             return f"{NO_PATTERN}: attention that calls no F.scaled_dot_product_attention ({names})"
         return "fewer SDPA calls in the captured graphs than eager runs"
+    if skipped:
+        return f"not captured: Dynamo ran code eagerly ({'; '.join(skipped)})"
     return "no known form matched, and fuser reported no near-miss"
 
 
-def verdict(block: str, eager: dict[str, Any], fused: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
-    """One side's block cell, as ``coverage.verdict``; a miss with no near-miss says fuser has no pattern for it."""
-    cell = text_coverage.verdict(eager[block], fused[block], reasons or [_no_near_miss(block, eager, fused)])
+def verdict(
+    block: str, eager: dict[str, Any], fused: dict[str, Any], reasons: list[str], skipped: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One side's block cell, as ``coverage.verdict``; a miss with no near-miss says fuser has no pattern for it, or
+    that Dynamo ran code eagerly (``skipped``)."""
+    cell = text_coverage.verdict(eager[block], fused[block], reasons or [_no_near_miss(block, eager, fused, skipped)])
     if block == "attention" and cell["status"] == "fused" and fused["native_attention"] == fused["attention"]:
         cell["text"] += " (SDPA, no mask)"
     return cell
@@ -849,7 +855,7 @@ def run_one(model_type: str, with_train_check: bool = False, config: Any = None)
                 "eager": eager[side][b],
                 "fused": fused[side][b],
                 "reasons": reasons[side][b],
-                **verdict(b, eager[side], fused[side], reasons[side][b]),
+                **verdict(b, eager[side], fused[side], reasons[side][b], tuple(report.skipped_frames)),
             }
             for b in BLOCKS
         }

@@ -298,3 +298,28 @@ def test_report_lists_declines_that_do_not_apply_only_when_verbose():
         bf16_miss.reason
     ), bf16_miss.reason
     assert len(_decline_rows(str(fuser.report(bf16)), "upcast_linear")) == 1, str(fuser.report(bf16))
+
+
+class _BreakInALoop(torch.nn.Module):
+    """A norm, then a loop whose body Dynamo cannot trace (a data-dependent slice): Dynamo gives up on the whole
+    function and runs it eagerly, so the norm before the loop is not captured either."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, n):
+        x = self.norm(x)
+        for lin in self.lins:
+            x = lin(x)[: int(n.sum().item())]
+        return x.sum()
+
+
+def test_a_function_dynamo_runs_eagerly_is_named_with_why():
+    report = fuser.explain(_BreakInALoop(), torch.randn(4, 8), torch.tensor([1, 2]))
+    assert "layer_norm" not in report.counts  # nothing in the skipped function was captured
+    (skipped,) = report.skipped_frames
+    line = _BreakInALoop.forward.__code__.co_firstlineno
+    assert skipped == f"forward (tests/test_explain_report.py:{line}): a graph break inside a loop", skipped
+    assert "run eagerly (Dynamo gave up on them" in str(report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class Report:
                    split by one (an lm_head and its loss) cannot fuse.
     break_messages: ``fuser.explain``: Dynamo's own graph-break messages during the forward (first lines, each
                    once), which say what it could not trace where ``breaks`` says only "a call made here".
+    skipped_frames: ``fuser.explain``: the functions Dynamo gave up on and ran eagerly, so that nothing in them was
+                   captured or fused (a graph break inside a loop skips the rest of the function), each as
+                   ``"function (file:line): why"``.
     runs:          ``fuser.explain``: for each of ``matches``, how many times its graph ran in the forward. A graph
                    Dynamo compiled once runs again wherever its guards hold: after a graph break inside the loop
                    over the decoder layers, each layer's code is one graph that runs for every layer, and its fused
@@ -100,6 +104,7 @@ class Report:
     compile_seconds: float = 0.0  # fuser.report(): time spent rewriting and compiling those graphs
     breaks: list[GraphBreak] = field(default_factory=list)
     break_messages: list[str] = field(default_factory=list)
+    skipped_frames: list[str] = field(default_factory=list)
     runs: list[int] = field(default_factory=list)
     inlined: dict[str, int] = field(default_factory=dict)
     not_inlined: dict[str, str] = field(default_factory=dict)
@@ -166,6 +171,9 @@ class Report:
                 lines.append(f"  {'':<20} {one.reason}")
         if self.break_messages:
             lines.append("Dynamo's graph-break messages: " + "; ".join(self.break_messages))
+        if self.skipped_frames:
+            lines.append("run eagerly (Dynamo gave up on them: nothing in them is captured or fused): "
+                         + "; ".join(self.skipped_frames))  # fmt: skip
         if self.inlined or self.not_inlined:
             done = ", ".join(f"{k}={v}" for k, v in sorted(self.inlined.items())) or "none"
             lines.append(f"inlined calls (FuserConfig.inline_ops: Inductor launches their kernels): {done}")
@@ -249,9 +257,23 @@ def explain(model: Any, *args: Any, config: FuserConfig | None = None, verbose: 
             first += "; FuserConfig(checkpoint_side_effects=True), the default, has Dynamo trace such a layer"
         if first and first not in report.break_messages:
             report.break_messages.append(first)
+        for frame in _compat.dynamo_skipped_frames(message):
+            if (text := skipped_frame_text(frame, message)) not in report.skipped_frames:
+                report.skipped_frames.append(text)
     report.counts = count_by_pattern(report.matches)
     report.runs = [graph_runs[i] for i in graph_of_match]
     return report
+
+
+def skipped_frame_text(frame: tuple[str, str, int], message: str) -> str:
+    """``"function (file:line): why"`` for a frame Dynamo skipped (``_compat.dynamo_skipped_frames``); the rest of a
+    function after an earlier graph break (Dynamo's ``torch_dynamo_resume_in_forward_at_431``) reads "forward, from
+    line 431"."""
+    function, path, line = frame
+    resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", function)
+    name = f"{resumed[1]}, from line {resumed[2]}" if resumed else function
+    why = "a graph break inside a loop" if "graph break in loop" in message else brief_dynamo_message(message)
+    return f"{name} ({location(path, line, '').strip()}): {why}"
 
 
 def brief_dynamo_message(message: str) -> str:
