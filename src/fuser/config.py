@@ -135,8 +135,8 @@ class FuserConfig(SectionedOptions):
     no op body runs per call. Same kernels, same arguments. It helps a step whose host cannot launch kernels as fast
     as the GPU runs them, leaves a GPU-bound one as it was, and costs compile time. A call that might not compute the
     same inlined (it writes an input or part of a buffer, its shapes are dynamic, its tensors are not on a GPU) stays
-    a call; ``fuser.report(model).not_inlined`` says why (``fuser.inductor.inline_ops``). ``False`` keeps every call, e.g.
-    to compare or to debug a kernel from Python."""
+    a call; ``fuser.report(model).not_inlined`` says why (``fuser.inductor.inline_ops``). ``False`` keeps every
+    call, e.g. to compare or to debug a kernel from Python."""
 
     cuda_graphs: bool = False
     """Inductor records the compiled forward and backward graphs as CUDA graphs and replays them (its
