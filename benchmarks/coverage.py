@@ -536,7 +536,8 @@ def verdict(eager: int, fused: int, reasons: list[str]) -> dict[str, Any]:
 
 def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tensor], rtol: float = GRAD_RTOL) -> str:
     """One fp32 step through fuser (aot_eager) versus eager fp32 and the same step in fp64: 'equal' (the loss and
-    every gradient within ``rtol`` of eager fp32's, or of fp64's, or no further from fp64's than eager fp32's), or
+    every gradient within ``rtol`` of eager fp32's, or of fp64's, or no further from fp64's than eager fp32's or
+    than Inductor's step without fuser; a gradient zero in exact arithmetic, within 2x eager's noise), or
     what differed. ``ids``: the input ids (labels the same), or the whole batch as keyword arguments (an image-text
     model's; its floating tensors, the pixels, are cast with the model). fp64 besides eager: where eager fp32 is
     itself imprecise (a loss near 0, whose softmax gradient is a difference of nearly equal numbers) a more precise
@@ -595,18 +596,39 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
     # is rounding noise: each gradient is compared relative to its own norm, or to GRAD_FLOOR of the whole model's
     # gradient norm where its own is below that
     whole = torch.sqrt(sum(g.pow(2).sum() for g in grads64.values())) if grads64 else torch.tensor(0.0)
+    grads_inductor: dict[str, torch.Tensor] | None = None  # computed where a gradient needs it
     for name in sorted(set(grads) & set(grads_eager) & set(grads64)):
         scale = torch.maximum(grads64[name].norm(), GRAD_FLOOR * whole).clamp_min(1e-30)
         err = ((grads[name] - grads64[name]).norm() / scale).item()
         err_eager = ((grads_eager[name] - grads64[name]).norm() / scale).item()
         # equal to eager fp32 within the tolerance (the model tests' rule), or as close to fp64 as eager fp32 is
         from_eager = ((grads[name] - grads_eager[name]).norm() / scale).item()
-        if not (err <= max(rtol, err_eager) or from_eager <= rtol):
-            bad.append(f"grad {name} rel {err:.2e} from fp64 (eager fp32 {err_eager:.2e})")
+        if err <= max(rtol, err_eager) or from_eager <= rtol:
+            continue
+        # a gradient zero in exact arithmetic is one draw of rounding noise: within 2x eager's (tests/models/tiny.py)
+        if grads64[name].norm() < GRAD_FLOOR * whole and err <= 2 * err_eager:
+            continue
+        # no closer than Inductor compiling the same model gets (the project's bar), where eager is the reference
+        if grads_inductor is None:
+            grads_inductor = _inductor_grads(model, batch)
+        err_inductor = ((grads_inductor[name] - grads64[name]).norm() / scale).item()
+        if err <= err_inductor:
+            continue
+        bad.append(f"grad {name} rel {err:.2e} from fp64 (eager fp32 {err_eager:.2e}, Inductor {err_inductor:.2e})")
     note += reference.replace(":", "")
     if not bad:
         return "equal" + note
     return "not equal" + note + ": " + "; ".join(bad[:3]) + (f" (+{len(bad) - 3})" if len(bad) > 3 else "")
+
+
+def _inductor_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 step's gradients through ``torch.compile`` (Inductor) without fuser."""
+    m = copy.deepcopy(model).to(torch.float32)
+    torch._dynamo.reset()
+    cast = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in batch.items()}
+    torch.compile(m)(**cast).loss.backward()
+    torch._dynamo.reset()
+    return {n: p.grad.detach().double() for n, p in m.named_parameters() if p.grad is not None}
 
 
 def run_one(model_type: str, with_train_check: bool = False, config: Any = None) -> dict[str, Any]:
