@@ -66,9 +66,8 @@ class LoraSumExperimental:
     """Under autocast, a LoRA sum computes its adapter's two matmuls from the fp32 adapter itself (``a`` in fp32,
     ``tf32x3`` dots on the Triton path), as peft computes them without autocast: more precise than autocast. Off:
     from the adapter rounded to autocast's dtype, as autocast computes them (its dtype's dots, fp32 sums, ``a``
-    rounded), the term and the sum rounded once where autocast rounds three times; meant to be faster, but a
-    compiled Trainer step on a GPU failed with an illegal memory access that is not yet explained
-    (``docs/defaults.md``): kept off."""
+    rounded), the term and the sum rounded once where autocast rounds three times; meant to be faster, not yet
+    timed in a compiled Trainer step (``docs/defaults.md``): kept off."""
 
     def __post_init__(self) -> None:
         check_fields(self, "experimental.lora_sum")
