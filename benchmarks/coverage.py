@@ -549,9 +549,14 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
 
     batch = ids if isinstance(ids, dict) else {"input_ids": ids, "labels": ids}
 
-    def step(m: torch.nn.Module, compiled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def step(m: torch.nn.Module, how: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One step of a copy of ``m`` in ``dtype``: ``how`` "eager", "fuser" or "inductor" (torch.compile alone)."""
         m = copy.deepcopy(m).to(dtype)
-        run = fuser.optimize(m, fuser.FuserConfig(inner_compiler=inner, strict=True)) if compiled else m
+        run = {
+            "eager": lambda: m,
+            "fuser": lambda: fuser.optimize(m, fuser.FuserConfig(inner_compiler=inner, strict=True)),
+            "inductor": lambda: torch.compile(m),
+        }[how]()
         cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
         loss = run(**cast).loss
         loss.backward()
@@ -560,15 +565,15 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
         }
 
     torch._dynamo.reset()
-    loss_eager, grads_eager = step(model, False, torch.float32)
+    loss_eager, grads_eager = step(model, "eager", torch.float32)
     reference = ""
     try:
-        loss64, grads64 = step(model, False, torch.float64)
+        loss64, grads64 = step(model, "eager", torch.float64)
     except RuntimeError as error:  # an op without fp64 kernels (grouped matmuls): eager fp32 is the reference
         loss64, grads64 = loss_eager, grads_eager
         reference = f", against eager fp32 (no fp64 step: {_shorten(str(error), 50)})"
     try:
-        loss, grads = step(model, True, torch.float32)
+        loss, grads = step(model, "fuser", torch.float32)
     except RuntimeError as error:
         torch._dynamo.reset()
         try:  # the same step through torch.compile alone: if AOT autograd fails there too, it is not fuser's
@@ -581,7 +586,7 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
         torch._dynamo.reset()
         inner = "eager"
         note = f", inner compiler eager ({_shorten(str(error), 60)} under aot_eager, also without fuser)"
-        loss, grads = step(model, True, torch.float32)
+        loss, grads = step(model, "fuser", torch.float32)
     torch._dynamo.reset()
     bad = []
     if not (
@@ -610,7 +615,9 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
             continue
         # no closer than Inductor compiling the same model gets (the project's bar), where eager is the reference
         if grads_inductor is None:
-            grads_inductor = _inductor_grads(model, batch)
+            torch._dynamo.reset()
+            grads_inductor = step(model, "inductor", torch.float32)[1]
+            torch._dynamo.reset()
         err_inductor = ((grads_inductor[name] - grads64[name]).norm() / scale).item()
         if err <= err_inductor:
             continue
@@ -619,16 +626,6 @@ def train_check(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tens
     if not bad:
         return "equal" + note
     return "not equal" + note + ": " + "; ".join(bad[:3]) + (f" (+{len(bad) - 3})" if len(bad) > 3 else "")
-
-
-def _inductor_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The fp32 step's gradients through ``torch.compile`` (Inductor) without fuser."""
-    m = copy.deepcopy(model).to(torch.float32)
-    torch._dynamo.reset()
-    cast = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in batch.items()}
-    torch.compile(m)(**cast).loss.backward()
-    torch._dynamo.reset()
-    return {n: p.grad.detach().double() for n, p in m.named_parameters() if p.grad is not None}
 
 
 def run_one(model_type: str, with_train_check: bool = False, config: Any = None) -> dict[str, Any]:
