@@ -272,7 +272,9 @@ def skipped_frame_text(frame: tuple[str, str, int], message: str) -> str:
     function, path, line = frame
     resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", function)
     name = f"{resumed[1]}, from line {resumed[2]}" if resumed else function
-    why = "a graph break inside a loop" if "graph break in loop" in message else brief_dynamo_message(message)
+    why = brief_dynamo_message(message)
+    if "graph break in loop" in message:  # the break's own cause, inside a loop: Dynamo skips the rest
+        why = f"a graph break inside a loop: {why}"
     return f"{name} ({location(path, line, '').strip()}): {why}"
 
 

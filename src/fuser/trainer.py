@@ -26,7 +26,7 @@ import torch
 from transformers import DataCollatorWithFlattening, TrainerCallback
 
 from fuser import _compat, dynamo_backend
-from fuser.report import brief_dynamo_message
+from fuser.report import skipped_frame_text
 
 log = logging.getLogger("fuser")
 _QUIET_LEVELS = ("warning", "error", "critical")
@@ -123,7 +123,7 @@ class FuserCallback(TrainerCallback):
                     stacklevel=2,
                 )
         if skipped:
-            where = "; ".join(f"{name} ({path}:{line}): {why}" for (name, path, line), why in sorted(skipped.items()))
+            where = "; ".join(text for _, text in sorted(skipped.items()))
             warnings.warn(
                 f"fuser: in the first training step Dynamo gave up on code of the model and ran it eagerly, so "
                 f"nothing in it was fused: {where}. fuser.explain(model, **batch) lists Dynamo's messages, and "
@@ -134,7 +134,7 @@ class FuserCallback(TrainerCallback):
 
     def _skipped_frames(self, model: torch.nn.Module) -> dict[tuple[str, str, int], str]:
         """The functions of the model's own source files that Dynamo skipped (ran eagerly) since training began, each
-        with Dynamo's reason in brief."""
+        as ``fuser.explain`` names it (:func:`fuser.report.skipped_frame_text`), by frame."""
         files = set()
         for module in model.modules():
             try:
@@ -145,7 +145,7 @@ class FuserCallback(TrainerCallback):
         for message in _compat.dynamo_messages_since(self._messages_before):
             for frame in _compat.dynamo_skipped_frames(message):
                 if frame[1] in files:
-                    skipped.setdefault(frame, brief_dynamo_message(message))
+                    skipped.setdefault(frame, skipped_frame_text(frame, message))
         return skipped
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None, **kw: Any):
